@@ -1,0 +1,129 @@
+"""Configuration: the environment, parsed once, strictly.
+
+Standard library only: the plugin entry point imports this module in every sglang
+process, and when the guard is off nothing else may be imported.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+
+class ConfigError(ValueError):
+    """An environment variable or argument holds a value the guard does not accept."""
+
+    def __init__(self, variable: str, value: str, accepted: str) -> None:
+        self.variable, self.value, self.accepted = variable, value, accepted
+        super().__init__(
+            f"sglang_oobguard: invalid {variable}={value!r}; accepted: {accepted}. "
+            "The KV-cache guard is NOT active until this is fixed."
+        )
+
+
+class Mode(str, enum.Enum):
+    """What a violation does (README, "Modes")."""
+
+    STRICT = "strict"  # upstream's semantics: the process fails
+    RAISE = "raise"  # contain, then KVOutOfBoundsError at the next check point
+    WARN = "warn"  # contain, log, never raise
+    OFF = "off"
+
+
+class Backend(str, enum.Enum):
+    """Which probe runs. AUTO: Triton on CUDA tensors, plain torch on CPU tensors."""
+
+    AUTO = "auto"
+    TORCH = "torch"  # immediate host check; CPU tensors only
+    TRITON = "triton"  # the fused kernel, reported deferred (CPU needs TRITON_INTERPRET=1)
+
+
+ENABLE_VAR = "SGLANG_ENABLE_ASYNC_ASSERT"
+INVARIANT_VAR = "SGLANG_INVARIANT_CHECK"
+MODE_VAR = "SGLANG_OOBGUARD_MODE"
+BACKEND_VAR = "SGLANG_OOBGUARD_BACKEND"
+POLL_VAR = "SGLANG_OOBGUARD_POLL_EVERY"
+WARN_INTERVAL_VAR = "SGLANG_OOBGUARD_WARN_INTERVAL_S"
+
+# sglang's EnvBool rules (sglang/srt/environ.py), any case.
+_TRUE = ("true", "1", "yes", "y")
+_FALSE = ("false", "0", "no", "n")
+_INVARIANT_MODES = {"0": None, "1": Mode.WARN, "2": Mode.STRICT}
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: Mode = Mode.OFF
+    backend: Backend = Backend.AUTO
+    poll_every: int = 16  # deferred path: guarded calls between two record read-backs
+    warn_interval_s: float = 10.0  # warn mode: seconds between two running-total lines
+
+    @property
+    def active(self) -> bool:
+        return self.mode is not Mode.OFF
+
+
+def _get(env: Mapping[str, str], name: str) -> Optional[str]:
+    """A variable's value; set-but-empty counts as unset (a CI matrix's 'off' axis)."""
+    value = env.get(name)
+    return value if value else None
+
+
+def _choice(env: Mapping[str, str], name: str, kind: type[enum.Enum]) -> Optional[enum.Enum]:
+    raw = _get(env, name)
+    if raw is None:
+        return None
+    try:
+        return kind(raw.lower())
+    except ValueError:
+        raise ConfigError(name, raw, " | ".join(m.value for m in kind)) from None
+
+
+def _number(env: Mapping[str, str], name: str, kind: type, default, minimum):
+    raw = _get(env, name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum:  # also refuses nan
+        raise ConfigError(name, raw, f"a {kind.__name__} >= {minimum}")
+    return value
+
+
+def parse_mode(value: Optional[str]) -> Optional[Mode]:
+    """`install(mode=...)`'s argument: None, or one of the Mode values."""
+    return None if value is None else _choice({"mode": str(value)}, "mode", Mode)
+
+
+def from_env(env: Optional[Mapping[str, str]] = None) -> Config:
+    """Read the guard's configuration; every invalid value raises ConfigError."""
+    env = os.environ if env is None else env
+
+    raw_enable = _get(env, ENABLE_VAR)
+    if raw_enable is not None and raw_enable.lower() not in _TRUE + _FALSE:
+        raise ConfigError(ENABLE_VAR, raw_enable, "/".join(_TRUE + _FALSE) + " (any case)")
+    enabled = raw_enable is not None and raw_enable.lower() in _TRUE
+
+    raw_level = _get(env, INVARIANT_VAR)
+    if raw_level is not None and raw_level not in _INVARIANT_MODES:
+        raise ConfigError(INVARIANT_VAR, raw_level, "0 | 1 | 2")
+    level_mode = _INVARIANT_MODES.get(raw_level) if raw_level is not None else None
+
+    explicit = _choice(env, MODE_VAR, Mode)
+    backend = _choice(env, BACKEND_VAR, Backend) or Backend.AUTO
+    poll_every = _number(env, POLL_VAR, int, Config.poll_every, 1)
+    warn_interval = _number(env, WARN_INTERVAL_VAR, float, Config.warn_interval_s, 0.0)
+
+    if explicit is not None:
+        mode = explicit  # includes OFF, which wins over everything
+    elif level_mode is not None:
+        mode = level_mode
+    elif enabled:
+        mode = Mode.STRICT
+    else:
+        mode = Mode.OFF
+    return Config(mode, backend, poll_every, warn_interval)

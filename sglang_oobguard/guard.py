@@ -1,0 +1,165 @@
+"""Wrappers: the code that runs around every guarded write.
+
+The hot path reads `loc` out of the call, picks the probe (the host scan for CPU
+tensors, the fused kernel otherwise) and hands the write on with the caller's own
+objects. Each pool carries a `PoolState`: its probe record, allocated once, and on
+a GPU a pinned host mirror that is refreshed without a sync and read only after
+its copy has finished.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import probe
+from .config import Backend, Config, Mode
+from .report import Reporter, Violation
+from .targets import TARGETS, Resolved
+
+STATE_ATTR = "_oobguard_state"
+
+
+class PoolState:
+    """One pool's record and the host side of its deferred reporting."""
+
+    def __init__(self, pool: Any, device: torch.device) -> None:
+        self.pool_name = type(pool).__name__
+        self.record = probe.new_record(device)
+        on_gpu = device.type == "cuda"
+        self.mirror = torch.zeros(probe.RECORD_LEN, dtype=torch.int64, pin_memory=on_gpu)
+        self.mirror_view = self.mirror.numpy()  # plain memory reads: no torch op, no sync
+        self.copied: Optional[torch.cuda.Event] = torch.cuda.Event() if on_gpu else None
+        self.pending = False  # a mirror copy was enqueued and not read yet
+        self.reported = 0  # violating calls already reported
+        self.since_poll = 0
+
+
+class Guard:
+    """The process's active guard: its configuration, pools and reporter."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.reporter = Reporter(config.warn_interval_s)
+        self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
+        self._messages: dict[tuple[int, int], str] = {}
+
+    # -- the hot path ---------------------------------------------------------
+
+    def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, layer: int) -> None:
+        state = pool.__dict__.get(STATE_ATTR)
+        if state is None:
+            state = self._attach(pool, loc.device)
+        if self._immediate(loc):
+            finding = probe.scan_host(loc, high)
+            if finding is not None:
+                self._on_host_finding(state, finding, site, layer, high, loc)
+            return
+        strict_gpu = self.config.mode is Mode.STRICT and loc.is_cuda
+        probe.launch(loc, high, site, layer, state.record, self._message(site, high) if strict_gpu else None)
+        state.since_poll += 1
+        if state.since_poll >= self.config.poll_every:
+            state.since_poll = 0
+            self._poll(state)
+
+    def _immediate(self, loc: torch.Tensor) -> bool:
+        """Host scan for CPU tensors (AUTO), or anywhere when asked (TORCH), except
+        while a CUDA graph is being captured, where only device ops may run."""
+        backend = self.config.backend
+        if backend is Backend.TRITON:
+            return False
+        if not loc.is_cuda:
+            return True
+        return backend is Backend.TORCH and not torch.cuda.is_current_stream_capturing()
+
+    def _attach(self, pool: Any, device: torch.device) -> PoolState:
+        state = PoolState(pool, device)
+        setattr(pool, STATE_ATTR, state)
+        self.states.add(state)
+        return state
+
+    def _message(self, site: int, high: int) -> str:
+        """The device-side assert text: constant per (site, bound), under CUDA's 256 bytes."""
+        key = (site, high)
+        if key not in self._messages:
+            self._messages[key] = (
+                f"sglang_oobguard: {TARGETS[site].label}: KV slot id outside [0, {high}); "
+                "see the scheduler log, or rerun with SGLANG_OOBGUARD_MODE=raise for the report"
+            )[:255]
+        return self._messages[key]
+
+    # -- reporting ------------------------------------------------------------
+
+    def _on_host_finding(self, state: PoolState, finding: probe.Finding, site: int,
+                         layer: int, high: int, loc: torch.Tensor) -> None:
+        probe.fold_host(state.record, finding, site, layer, high, loc.numel())
+        totals = probe.read(state.record)
+        state.reported = totals.calls
+        violation = Violation(TARGETS[site].label, state.pool_name, layer, high, finding.bad,
+                              loc.numel(), finding.pos, finding.value, totals.total_bad, totals.calls)
+        if self.config.mode is Mode.WARN:
+            probe.contain_host(loc, high)
+        self.reporter.publish(id(state.record), violation, fatal=self.config.mode is not Mode.WARN)
+
+    def _poll(self, state: PoolState) -> None:
+        """Report a record whose mirror copy has landed, then start the next copy.
+        Never waits: an unfinished copy is left for the next poll."""
+        if state.copied is not None and torch.cuda.is_current_stream_capturing():
+            return
+        if state.pending and state.copied is not None and not state.copied.query():
+            return
+        if state.pending:
+            self._publish_record(state, probe.Record(*state.mirror_view.tolist()))
+        state.mirror.copy_(state.record, non_blocking=True)
+        if state.copied is not None:
+            state.copied.record()
+        state.pending = True
+
+    def _publish_record(self, state: PoolState, record: probe.Record) -> None:
+        if record.calls <= state.reported:
+            return
+        state.reported = record.calls
+        violation = Violation(TARGETS[record.site].label, state.pool_name, record.layer, record.high,
+                              record.bad, record.numel, record.pos, record.value,
+                              record.total_bad, record.calls)
+        self.reporter.publish(id(state.record), violation, fatal=self.config.mode is not Mode.WARN)
+
+    def check(self) -> None:
+        """An explicit check point: read every pool's record (this may sync)."""
+        for state in list(self.states):
+            self._publish_record(state, probe.read(state.record))
+
+    def violations(self) -> list[Violation]:
+        return list(self.reporter.latest.values())
+
+
+def make_wrapper(resolved: Resolved, guard: Guard) -> Callable[..., Any]:
+    """The wrapt wrapper for one resolved target. `loc` is the 2nd parameter after
+    self (`loc` or `loc_info` by release); the caller's objects pass on unchanged."""
+    site = resolved.site
+    high_of = resolved.target.bound.high
+    loc_name = resolved.loc_name
+    override_at = resolved.override_index
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        loc_info = args[1] if len(args) > 1 else kwargs.get(loc_name)
+        loc = loc_info if isinstance(loc_info, torch.Tensor) else getattr(loc_info, "loc", None)
+        if loc is not None and loc.numel():
+            guard.check_write(instance, site, loc, high_of(instance), _layer_id(args, kwargs, override_at))
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _layer_id(args: tuple, kwargs: dict, override_at: Optional[int]) -> int:
+    """`layer_id_override` when given (wrapper pools pass layer=None), else layer.layer_id."""
+    override = args[override_at] if override_at is not None and len(args) > override_at else None
+    if override is None:
+        override = kwargs.get("layer_id_override")
+    if override is not None:
+        return int(override)
+    layer = args[0] if args else kwargs.get("layer")
+    layer_id = getattr(layer, "layer_id", None)
+    return -1 if layer_id is None else int(layer_id)

@@ -1,0 +1,103 @@
+"""Report: what a violation says, and where it goes (an exception or a log line).
+
+Standard library only, so the error type can be imported without torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+logger = logging.getLogger("sglang_oobguard")
+
+
+class _FallbackHandler(logging.StreamHandler):
+    """Prints our records to stderr only while the process has no logging set up.
+
+    sglang's plugin loader runs before the scheduler configures logging, so without
+    this the activation line of every scheduler would be lost; once sglang (or pytest)
+    installs root handlers, records flow there instead, and nothing prints twice.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def ensure_visible() -> None:
+    if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
+        handler = _FallbackHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One pool's out-of-range write: the first bad call in detail, plus running totals."""
+
+    label: str
+    pool: str
+    layer: int  # -1: the caller passed no layer
+    high: int  # ids must lie in [0, high)
+    bad: int
+    numel: int
+    pos: int
+    value: int
+    total_bad: int
+    calls: int
+
+    def __str__(self) -> str:
+        layer = self.layer if self.layer >= 0 else "?"
+        return (
+            f"{self.label} layer {layer}: {self.bad} of {self.numel} slot ids outside "
+            f"[0, {self.high}): loc[{self.pos}] = {self.value}"
+        )
+
+
+class KVOutOfBoundsError(IndexError):
+    """A KV-cache write was handed slot ids outside its pool."""
+
+    def __init__(self, violation: Violation) -> None:
+        self.violation = violation
+        self.label, self.pool, self.layer = violation.label, violation.pool, violation.layer
+        self.low, self.high = 0, violation.high
+        self.bad, self.numel = violation.bad, violation.numel
+        self.pos, self.value = violation.pos, violation.value
+        super().__init__(f"{violation} (pool {violation.pool})")
+
+
+class Reporter:
+    """Keeps every pool's latest violation and rate-limits the warn-mode log."""
+
+    def __init__(self, warn_interval_s: float) -> None:
+        self.warn_interval_s = warn_interval_s
+        self.latest: dict[int, Violation] = {}  # key: id of the pool's record
+        self._last_log: Optional[float] = None
+        self._suppressed = 0
+
+    def publish(self, key: int, violation: Violation, fatal: bool) -> None:
+        self.latest[key] = violation
+        if fatal:
+            raise KVOutOfBoundsError(violation)
+        self._warn(violation)
+
+    def _warn(self, violation: Violation) -> None:
+        now = time.monotonic()
+        if self._last_log is None:
+            logger.warning("KV write out of bounds, contained (ids sent to padding slot 0): %s (pool %s)",
+                           violation, violation.pool)
+        elif now - self._last_log >= self.warn_interval_s:
+            bad = sum(v.total_bad for v in self.latest.values())
+            calls = sum(v.calls for v in self.latest.values())
+            logger.warning("KV writes out of bounds so far: %d bad slot ids in %d writes "
+                           "(%d reports not logged since the last line); latest: %s (pool %s)",
+                           bad, calls, self._suppressed, violation, violation.pool)
+        else:
+            self._suppressed += 1
+            return
+        self._last_log, self._suppressed = now, 0
