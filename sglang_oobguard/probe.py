@@ -57,6 +57,8 @@ def scan_host(loc: torch.Tensor, high: int) -> Finding | None:
     """The immediate CPU check: None when every id is in [0, high). Host reads are
     fine here because `loc` already lives in host memory."""
     n = loc.numel()
+    if n == 0:
+        return None
     if n <= _HOST_LIST_MAX:
         ids = loc.reshape(-1).tolist()
         if min(ids) >= 0 and max(ids) < high:

@@ -1,0 +1,54 @@
+"""Shared fixtures: the real sglang 0.5.23 pool classes on the CPU.
+
+Triton kernels (sglang's own MLA writes, and our probe when forced) run in Triton's
+interpreter here, which must be chosen before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers import GUARD_VARS  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mp():
+    """sglang's memory_pool module, with the parallel context MLA writes assert on."""
+    from sglang.srt.mem_cache import memory_pool
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
+    return memory_pool
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch) -> Iterator[None]:
+    for name in GUARD_VARS:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    import sglang_oobguard
+
+    sglang_oobguard.uninstall()
+
+
+@pytest.fixture
+def guard(monkeypatch):
+    """install(mode, backend=...) for one test; the autouse fixture uninstalls."""
+    import sglang_oobguard
+
+    def _install(mode: str, backend: str = "auto", poll_every: int = 1):
+        monkeypatch.setenv("SGLANG_OOBGUARD_BACKEND", backend)
+        monkeypatch.setenv("SGLANG_OOBGUARD_POLL_EVERY", str(poll_every))
+        sglang_oobguard.uninstall()
+        return sglang_oobguard.install(mode)
+
+    return _install
+
+

@@ -1,0 +1,65 @@
+"""Test helpers: the six guarded sites on real sglang pools, and fresh interpreters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+GUARD_VARS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE",
+              "SGLANG_OOBGUARD_BACKEND", "SGLANG_OOBGUARD_POLL_EVERY", "SGLANG_OOBGUARD_WARN_INTERVAL_S")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Layer:
+    """What a pool reads of sglang's RadixAttention: its layer id."""
+
+    def __init__(self, layer_id: int) -> None:
+        self.layer_id = layer_id
+
+
+# The six sites: (label, class, method, pool factory, payload factory).
+def mha(mp, size=64, page_size=1, dtype=torch.float32):
+    return mp.MHATokenToKVPool(size, page_size, dtype, 2, 4, 4, "cpu", False)
+
+
+def site_cases(mp):
+    fp4 = torch.float4_e2m1fn_x2
+    bf16 = torch.bfloat16
+
+    def kv(n):
+        return (torch.randn(n, 2, 4), torch.randn(n, 2, 4))
+
+    def kv32(n):
+        return (torch.randn(n, 2, 32, dtype=bf16), torch.randn(n, 2, 32, dtype=bf16))
+
+    def mla_k(n):
+        return (torch.randn(n, 1, 32, dtype=bf16), None)
+
+    def mla_parts(n):
+        return (torch.randn(n, 1, 16, dtype=bf16), torch.randn(n, 1, 16, dtype=bf16))
+
+    return {
+        "set_kv_buffer (MHA)": (lambda: mha(mp), "set_kv_buffer", kv),
+        "set_kv_buffer (MHA-FP4)": (lambda: mp.MHATokenToKVPoolFP4(64, 1, fp4, 2, 32, 2, "cpu", False),
+                                    "set_kv_buffer", kv32),
+        "set_kv_buffer (MLA)": (lambda: mp.MLATokenToKVPool(64, 1, bf16, 16, 16, 2, "cpu", False),
+                                "set_kv_buffer", mla_k),
+        "set_mla_kv_buffer (MLA)": (lambda: mp.MLATokenToKVPool(64, 1, bf16, 16, 16, 2, "cpu", False),
+                                    "set_mla_kv_buffer", mla_parts),
+        "set_kv_buffer (MLA-FP4)": (lambda: mp.MLATokenToKVPoolFP4(64, 1, fp4, 16, 16, 2, "cpu", False),
+                                    "set_kv_buffer", mla_k),
+        "set_mla_kv_buffer (MLA-FP4)": (lambda: mp.MLATokenToKVPoolFP4(64, 1, fp4, 16, 16, 2, "cpu", False),
+                                        "set_mla_kv_buffer", mla_parts),
+    }
+
+
+def run_python(code: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter of this venv with exactly the guard variables given."""
+    full = {k: v for k, v in os.environ.items() if k not in GUARD_VARS}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)

@@ -1,0 +1,74 @@
+"""Configuration: activation rules and every error, without sglang."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_oobguard.config import Backend, ConfigError, Mode, from_env
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", "Yes", "y"])
+def test_async_assert_true_means_strict(value):
+    assert from_env({"SGLANG_ENABLE_ASYNC_ASSERT": value}).mode is Mode.STRICT
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "n", ""])
+def test_async_assert_false_or_empty_is_off(value):
+    cfg = from_env({"SGLANG_ENABLE_ASYNC_ASSERT": value})
+    assert cfg.mode is Mode.OFF and not cfg.active
+
+
+def test_nothing_set_is_off():
+    assert not from_env({}).active
+
+
+@pytest.mark.parametrize("level,mode", [("1", Mode.WARN), ("2", Mode.STRICT)])
+def test_invariant_level_picks_mode(level, mode):
+    assert from_env({"SGLANG_INVARIANT_CHECK": level}).mode is mode
+    assert from_env({"SGLANG_INVARIANT_CHECK": level, "SGLANG_ENABLE_ASYNC_ASSERT": "1"}).mode is mode
+
+
+def test_invariant_zero_with_async_assert_is_strict():
+    assert from_env({"SGLANG_INVARIANT_CHECK": "0", "SGLANG_ENABLE_ASYNC_ASSERT": "1"}).mode is Mode.STRICT
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn", "RAISE"])
+def test_explicit_mode_wins(mode):
+    cfg = from_env({"SGLANG_OOBGUARD_MODE": mode, "SGLANG_INVARIANT_CHECK": "1"})
+    assert cfg.mode is Mode(mode.lower())
+
+
+def test_off_wins_over_everything():
+    env = {"SGLANG_OOBGUARD_MODE": "off", "SGLANG_ENABLE_ASYNC_ASSERT": "1", "SGLANG_INVARIANT_CHECK": "2"}
+    assert not from_env(env).active
+
+
+def test_numbers_and_backend_parse():
+    cfg = from_env({"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_BACKEND": "Triton",
+                    "SGLANG_OOBGUARD_POLL_EVERY": "4", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0.5"})
+    assert (cfg.backend, cfg.poll_every, cfg.warn_interval_s) == (Backend.TRITON, 4, 0.5)
+
+
+@pytest.mark.parametrize(
+    "variable,value,accepted",
+    [
+        ("SGLANG_ENABLE_ASYNC_ASSERT", "on", "true/1/yes/y"),
+        ("SGLANG_ENABLE_ASYNC_ASSERT", " 1", "true/1/yes/y"),
+        ("SGLANG_INVARIANT_CHECK", "3", "0 | 1 | 2"),
+        ("SGLANG_INVARIANT_CHECK", "strict", "0 | 1 | 2"),
+        ("SGLANG_OOBGUARD_MODE", "loud", "strict | raise | warn | off"),
+        ("SGLANG_OOBGUARD_BACKEND", "cuda", "auto | torch | triton"),
+        ("SGLANG_OOBGUARD_POLL_EVERY", "0", "int >= 1"),
+        ("SGLANG_OOBGUARD_POLL_EVERY", "2.5", "int >= 1"),
+        ("SGLANG_OOBGUARD_WARN_INTERVAL_S", "nan", "float >= 0.0"),
+        ("SGLANG_OOBGUARD_WARN_INTERVAL_S", "-1", "float >= 0.0"),
+    ],
+)
+def test_every_invalid_value_names_variable_value_and_choices(variable, value, accepted):
+    with pytest.raises(ConfigError) as info:
+        from_env({"SGLANG_OOBGUARD_MODE": "strict", variable: value} if variable != "SGLANG_OOBGUARD_MODE"
+                 else {variable: value})
+    message = str(info.value)
+    assert variable in message and repr(value) in message and accepted in message
+    assert "NOT active" in message
+    assert (info.value.variable, info.value.value) == (variable, value)

@@ -1,0 +1,77 @@
+"""The deferred (GPU) path never syncs with the host.
+
+Run on CPU tensors with the kernel forced (Triton's interpreter executes it), under
+a TorchDispatchMode that sees every aten op of the guarded write: none may read a
+tensor's value on the host (`_local_scalar_dense`: .item(), int(t), bool(t)) or
+need one (data-dependent shapes such as nonzero). .tolist(), .cpu() and .numpy()
+do not dispatch on CPU tensors, so the hot-path source is checked for them too.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import sglang_oobguard
+from helpers import Layer, mha
+from sglang_oobguard import guard as guard_mod
+from sglang_oobguard import probe
+
+SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+           "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
+           "aten._unique2.default"}
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_guarded_writes_issue_no_host_sync(mp, guard):
+    guard("raise", backend="triton", poll_every=1)
+    pool = mha(mp)
+    k = torch.zeros(3, 2, 4)
+    pool.set_kv_buffer(Layer(0), torch.tensor([1, 2, 3]), k, k)  # attach the record outside the log
+    with OpLog() as log:
+        pool.set_kv_buffer(Layer(0), torch.tensor([1, 2, 3]), k, k)
+        pool.set_kv_buffer(Layer(0), torch.tensor([4, 70, 5]), k, k)  # recorded, contained
+        with pytest.raises(sglang_oobguard.KVOutOfBoundsError, match=r"loc\[1\] = 70"):
+            pool.set_kv_buffer(Layer(0), torch.tensor([6, 7, 8]), k, k)  # finds the landed mirror
+    assert not SYNCING & set(log.ops), sorted(SYNCING & set(log.ops))
+    assert "aten.index_put_.default" in log.ops  # the log saw the writes themselves
+
+
+def test_host_scan_is_what_would_sync(mp):
+    """The dispatch check can fail: the CPU host path does read values."""
+    with OpLog() as log:
+        probe.scan_host(torch.arange(100), 10)
+    assert "aten._local_scalar_dense.default" in log.ops
+
+
+HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard._poll, guard_mod.Guard._immediate,
+            guard_mod.make_wrapper, guard_mod._layer_id, probe.launch]
+FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
+
+
+def test_hot_path_source_calls_no_host_read():
+    """`.tolist()` is allowed on the mirror's numpy view alone: host memory."""
+    for fn in HOT_PATH:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = node.func.attr
+                owner = ast.unparse(node.func.value)
+                if name in FORBIDDEN:
+                    assert (name, owner) == ("tolist", "state.mirror_view"), f"{fn.__qualname__}: {owner}.{name}()"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "bool":
+                raise AssertionError(f"{fn.__qualname__}: bool() on the hot path")
