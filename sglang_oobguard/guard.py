@@ -9,6 +9,7 @@ its copy has finished.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -20,6 +21,7 @@ from .report import Reporter, Violation
 from .targets import TARGETS, Resolved
 
 STATE_ATTR = "_oobguard_state"
+_serials = itertools.count()
 
 
 class PoolState:
@@ -27,6 +29,7 @@ class PoolState:
 
     def __init__(self, pool: Any, device: torch.device) -> None:
         self.pool_name = type(pool).__name__
+        self.serial = next(_serials)  # the pool's key in the reporter
         self.record = probe.new_record(device)
         on_gpu = device.type == "cuda"
         self.mirror = torch.zeros(probe.RECORD_LEN, dtype=torch.int64, pin_memory=on_gpu)
@@ -101,7 +104,7 @@ class Guard:
                               loc.numel(), finding.pos, finding.value, totals.total_bad, totals.calls)
         if self.config.mode is Mode.WARN:
             probe.contain_host(loc, high)
-        self.reporter.publish(id(state.record), violation, fatal=self.config.mode is not Mode.WARN)
+        self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
 
     def _poll(self, state: PoolState) -> None:
         """Report a record whose mirror copy has landed, then start the next copy.
@@ -124,7 +127,7 @@ class Guard:
         violation = Violation(TARGETS[record.site].label, state.pool_name, record.layer, record.high,
                               record.bad, record.numel, record.pos, record.value,
                               record.total_bad, record.calls)
-        self.reporter.publish(id(state.record), violation, fatal=self.config.mode is not Mode.WARN)
+        self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
 
     def check(self) -> None:
         """An explicit check point: read every pool's record (this may sync)."""

@@ -76,7 +76,7 @@ class Reporter:
 
     def __init__(self, warn_interval_s: float) -> None:
         self.warn_interval_s = warn_interval_s
-        self.latest: dict[int, Violation] = {}  # key: id of the pool's record
+        self.latest: dict[int, Violation] = {}  # key: the pool's serial number
         self._last_log: Optional[float] = None
         self._suppressed = 0
 

@@ -57,9 +57,11 @@ def site_cases(mp):
     }
 
 
-def run_python(code: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter of this venv with exactly the guard variables given."""
+def run_python(code: str, env: dict[str, str | None], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter of this venv with exactly the guard variables
+    given; a variable given as None is removed."""
     full = {k: v for k, v in os.environ.items() if k not in GUARD_VARS}
     full.update(env)
+    full = {k: v for k, v in full.items() if v is not None}
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
