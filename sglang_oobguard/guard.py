@@ -21,6 +21,8 @@ from .report import Reporter, Violation
 from .targets import TARGETS, Resolved
 
 STATE_ATTR = "_oobguard_state"
+Call = tuple  # (args, kwargs, index of layer_id_override in args or None)
+
 _serials = itertools.count()
 
 
@@ -44,38 +46,46 @@ class Guard:
     """The process's active guard: its configuration, pools and reporter."""
 
     def __init__(self, config: Config) -> None:
-        self.config = config
         self.reporter = Reporter(config.warn_interval_s)
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self._messages: dict[tuple[int, int], str] = {}
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """New settings for the same wrappers (a second install())."""
+        self.config = config
+        self.strict = config.mode is Mode.STRICT
+        self.scan_cpu = config.backend is not Backend.TRITON
+        self.scan_gpu = config.backend is Backend.TORCH
+        self.reporter.warn_interval_s = config.warn_interval_s
 
     # -- the hot path ---------------------------------------------------------
 
-    def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, layer: int) -> None:
-        state = pool.__dict__.get(STATE_ATTR)
-        if state is None:
-            state = self._attach(pool, loc.device)
-        if self._immediate(loc):
+    def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, call: Call) -> None:
+        """Probe one write. `call` is read for the layer id only when it is needed.
+        The host scan serves CPU tensors (backend auto or torch), and CUDA tensors only
+        when asked (torch) and not while a CUDA graph is captured."""
+        if loc.is_cuda:
+            host = self.scan_gpu and not torch.cuda.is_current_stream_capturing()
+        else:
+            host = self.scan_cpu
+        if host:
             finding = probe.scan_host(loc, high)
             if finding is not None:
-                self._on_host_finding(state, finding, site, layer, high, loc)
+                self._on_host_finding(self._state(pool, loc), finding, site, _layer_id(*call), high, loc)
             return
-        strict_gpu = self.config.mode is Mode.STRICT and loc.is_cuda
-        probe.launch(loc, high, site, layer, state.record, self._message(site, high) if strict_gpu else None)
+        if not loc.numel():
+            return
+        state = self._state(pool, loc)
+        strict_gpu = self.strict and loc.is_cuda
+        probe.launch(loc, high, site, _layer_id(*call), state.record, self._message(site, high) if strict_gpu else None)
         state.since_poll += 1
         if state.since_poll >= self.config.poll_every:
             state.since_poll = 0
             self._poll(state)
 
-    def _immediate(self, loc: torch.Tensor) -> bool:
-        """Host scan for CPU tensors (AUTO), or anywhere when asked (TORCH), except
-        while a CUDA graph is being captured, where only device ops may run."""
-        backend = self.config.backend
-        if backend is Backend.TRITON:
-            return False
-        if not loc.is_cuda:
-            return True
-        return backend is Backend.TORCH and not torch.cuda.is_current_stream_capturing()
+    def _state(self, pool: Any, loc: torch.Tensor) -> PoolState:
+        return pool.__dict__.get(STATE_ATTR) or self._attach(pool, loc.device)
 
     def _attach(self, pool: Any, device: torch.device) -> PoolState:
         state = PoolState(pool, device)
@@ -149,8 +159,8 @@ def make_wrapper(resolved: Resolved, guard: Guard) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         loc_info = args[1] if len(args) > 1 else kwargs.get(loc_name)
         loc = loc_info if isinstance(loc_info, torch.Tensor) else getattr(loc_info, "loc", None)
-        if loc is not None and loc.numel():
-            guard.check_write(instance, site, loc, high_of(instance), _layer_id(args, kwargs, override_at))
+        if loc is not None:
+            guard.check_write(instance, site, loc, high_of(instance), (args, kwargs, override_at))
         return wrapped(*args, **kwargs)
 
     return wrapper

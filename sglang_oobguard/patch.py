@@ -59,8 +59,7 @@ def install(mode: Optional[str] = None) -> tuple[Target, ...]:
         return ()
     _check_backend(config)
     if _guard is not None:  # already installed: same wrappers, new settings
-        _guard.config = config
-        _guard.reporter.warn_interval_s = config.warn_interval_s
+        _guard.configure(config)
         return tuple(r.target for r in _installed)
     ensure_visible()
     guard = Guard(config)

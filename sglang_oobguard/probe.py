@@ -56,18 +56,15 @@ def new_record(device: torch.device) -> torch.Tensor:
 def scan_host(loc: torch.Tensor, high: int) -> Finding | None:
     """The immediate CPU check: None when every id is in [0, high). Host reads are
     fine here because `loc` already lives in host memory."""
-    n = loc.numel()
-    if n == 0:
-        return None
-    if n <= _HOST_LIST_MAX:
-        ids = loc.reshape(-1).tolist()
-        if min(ids) >= 0 and max(ids) < high:
+    flat = loc if loc.dim() == 1 else loc.reshape(-1)
+    if flat.numel() <= _HOST_LIST_MAX:
+        ids = flat.tolist()
+        if not ids or (min(ids) >= 0 and max(ids) < high):
             return None
     else:
-        lo, hi = torch.aminmax(loc)
+        lo, hi = torch.aminmax(flat)
         if int(lo) >= 0 and int(hi) < high:
             return None
-    flat = loc.reshape(-1)
     bad = (flat < 0) | (flat >= high)
     pos = int(bad.to(torch.uint8).argmax())
     return Finding(int(bad.sum()), pos, int(flat[pos]))

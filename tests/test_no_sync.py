@@ -58,7 +58,7 @@ def test_host_scan_is_what_would_sync(mp):
     assert "aten._local_scalar_dense.default" in log.ops
 
 
-HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard._poll, guard_mod.Guard._immediate,
+HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard._poll, guard_mod.Guard._state,
             guard_mod.make_wrapper, guard_mod._layer_id, probe.launch]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
