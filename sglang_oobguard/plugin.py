@@ -1,16 +1,24 @@
 """The `sglang.srt.plugins` entry point, run by sglang's `load_plugins()` in every
 process (main, each scheduler rank, detokenizer) before any pool or CUDA graph exists.
 
-With the guard off this reads the environment and returns: no torch, triton or
-sglang import, nothing patched.
+With none of the activating variables set this is one environment read: no import
+(not even our own config), nothing patched.
 """
 
 from __future__ import annotations
 
-from . import config
+import os
+
+# config.ENABLE_VAR, INVARIANT_VAR, MODE_VAR: only these can turn the guard on
+# (tests/test_plugin_loader.py keeps the two lists equal).
+TRIGGERS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE")
 
 
 def load() -> None:
+    if not any(os.environ.get(name) for name in TRIGGERS):
+        return
+    from . import config
+
     try:
         settings = config.from_env()
     except config.ConfigError as exc:
@@ -19,8 +27,7 @@ def load() -> None:
 
         logging.getLogger("sglang_oobguard").error("%s", exc)
         raise
-    if not settings.active:
-        return
-    from .patch import install
+    if settings.active:
+        from .patch import install
 
-    install(settings.mode.value)
+        install(settings.mode.value)

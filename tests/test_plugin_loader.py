@@ -39,8 +39,14 @@ def test_off_imports_nothing_and_patches_nothing():
                       "print(sorted(m for m in set(sys.modules) - before if not m.startswith('_')))", {})
     new = eval(proc.stdout.strip())
     ours = [m for m in new if m.startswith("sglang_oobguard")]
-    assert ours == ["sglang_oobguard", "sglang_oobguard.config", "sglang_oobguard.plugin"]
+    assert ours == ["sglang_oobguard", "sglang_oobguard.plugin"]
     assert not [m for m in new if m.split(".")[0] in ("torch", "triton", "sglang", "wrapt", "numpy")]
+
+
+def test_the_entry_points_triggers_are_configs_activating_variables():
+    from sglang_oobguard import config, plugin
+
+    assert plugin.TRIGGERS == (config.ENABLE_VAR, config.INVARIANT_VAR, config.MODE_VAR)
 
 
 @pytest.mark.parametrize(
