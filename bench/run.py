@@ -5,7 +5,8 @@ upstream's in-source probe, measured side by side in one run, plus the cost when
     .venv/bin/python bench/run.py --quick    # a smoke run (numbers not meaningful)
 
 Each row interleaves its variants round by round and reports the median per-call time,
-so background noise hits every variant alike. One torch thread, as sglang's CPU
+so background noise hits every variant alike. "guarded + upstream flag" is the guard
+with SGLANG_ENABLE_ASYNC_ASSERT=1 too, where upstream's duplicate probe is skipped. One torch thread, as sglang's CPU
 reference measurement used. A benchmark, not a test: it prints ratios against targets.
 """
 
@@ -69,6 +70,10 @@ def write_rows(quick: bool) -> list[dict]:
         sglang_oobguard.uninstall()
         os.environ[ASYNC_ASSERT] = "1"
 
+    def both() -> None:  # the guard with upstream's flag on: upstream's duplicate is skipped
+        os.environ[ASYNC_ASSERT] = "1"
+        sglang_oobguard.install("strict")
+
     rows = []
     for n in (1, 16, 256, 4096):
         loc = torch.randperm(SIZE)[:n] + 1
@@ -76,8 +81,8 @@ def write_rows(quick: bool) -> list[dict]:
         write = lambda: pool.set_kv_buffer(Layer, loc, k, k)  # noqa: E731
         calls = 20 if quick else max(40, 40000 // (n + 8))
         rounds = 2 if quick else 9
-        w = per_call_us({"unguarded": write, "guarded": write, "upstream": write}, calls, rounds,
-                        {"unguarded": plain, "guarded": ours, "upstream": upstream})
+        w = per_call_us({"unguarded": write, "guarded": write, "upstream": write, "both": write}, calls, rounds,
+                        {"unguarded": plain, "guarded": ours, "upstream": upstream, "both": both})
         p = per_call_us({"ours": lambda: probe.scan_host(loc, HIGH),
                          "theirs": lambda: maybe_detect_oob(loc, 0, HIGH, "set_kv_buffer (MHA)")},
                         calls * 4, rounds, {"ours": plain, "theirs": upstream})
@@ -143,14 +148,15 @@ def main() -> int:
     print(f"sglang-oobguard CPU benchmark, {date.today()}, sglang {sglang.__version__}, torch {torch.__version__}, "
           f"{platform.machine()} {os.cpu_count()} cores, 1 torch thread; bf16 MHA pool, {HEADS} KV heads x {DIM}\n")
     print("| tokens N | set_kv_buffer unguarded | guarded (strict) | ratio | upstream probe on | ratio "
-          "| our probe | upstream probe | ours/upstream |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| guarded + upstream flag | ratio | our probe | upstream probe | ours/upstream |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         target = 1.30 if r["n"] == 1 else 1.05 if r["n"] >= 256 else None
         ratio = r["guarded"] / r["unguarded"]
         shown = verdict(ratio, target) if target else f"{ratio:.2f}x"
         print(f"| {r['n']} | {r['unguarded']:.1f} us | {r['guarded']:.1f} us | {shown} "
               f"| {r['upstream']:.1f} us | {r['upstream'] / r['unguarded']:.2f}x "
+              f"| {r['both']:.1f} us | {r['both'] / r['unguarded']:.2f}x "
               f"| {r['probe_ours']:.2f} us | {r['probe_upstream']:.2f} us "
               f"| {verdict(r['probe_ours'] / r['probe_upstream'], 0.35)} |")
     print(f"\nOff (no variable set), in fresh interpreters: the entry point's load() takes "

@@ -176,3 +176,17 @@ def _layer_id(args: tuple, kwargs: dict, override_at: Optional[int]) -> int:
     layer = args[0] if args else kwargs.get("layer")
     layer_id = getattr(layer, "layer_id", None)
     return -1 if layer_id is None else int(layer_id)
+
+
+def make_upstream_skip(labels: frozenset[str]) -> Callable[..., Any]:
+    """Wrapper for sglang's own `maybe_detect_oob` (0.5.13+) as bound in memory_pool:
+    a call under one of our labels is the same check our probe just made, so skip it;
+    every other upstream probe (move_kv_cache, NaN, other modules) runs as before."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        label = args[3] if len(args) > 3 else kwargs.get("msg")
+        if label in labels:
+            return None
+        return wrapped(*args, **kwargs)
+
+    return wrapper

@@ -3,7 +3,8 @@
 `install` wraps each target that resolves on the installed sglang with
 `wrapt.wrap_function_wrapper`, once however often it is called; `uninstall` puts
 the exact original function objects back. `coverage` is the same walk, read-only,
-for the activation log line and `doctor`.
+for the activation log line and `doctor`. While installed, memory_pool's binding of
+upstream's own probe skips the calls that duplicate ours.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from typing import Optional, Union
 import wrapt
 
 from . import config as config_mod
-from .guard import Guard, make_wrapper
+from .guard import Guard, make_upstream_skip, make_wrapper
 from .report import Violation, ensure_visible, logger
-from .targets import TARGETS, Resolved, Target, is_supported, resolve, version_of_sglang
+from .targets import MEMORY_POOL, TARGETS, UPSTREAM_PROBE, Resolved, Target, is_supported, resolve, version_of_sglang
 
 _guard: Optional[Guard] = None
 _installed: list[Resolved] = []
+_upstream: Optional[tuple[object, object]] = None  # (memory_pool, its original maybe_detect_oob)
 
 
 def coverage() -> list[tuple[Target, Union[Resolved, str]]]:
@@ -70,6 +72,7 @@ def install(mode: Optional[str] = None) -> tuple[Target, ...]:
             continue
         wrapt.wrap_function_wrapper(found.owner, found.target.method, make_wrapper(found, guard))
         _installed.append(found)
+    _skip_upstream_duplicates()
     _guard = guard
     version = version_of_sglang()
     logger.info("active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s",
@@ -79,6 +82,19 @@ def install(mode: Optional[str] = None) -> tuple[Target, ...]:
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped) or "nothing")
     return tuple(r.target for r in _installed)
+
+
+def _skip_upstream_duplicates() -> None:
+    global _upstream
+    if not _installed:
+        return
+    module = importlib.import_module(MEMORY_POOL)
+    original = getattr(module, UPSTREAM_PROBE, None)
+    if original is None:  # before 0.5.13: no in-source probe
+        return
+    wrapt.wrap_function_wrapper(module, UPSTREAM_PROBE,
+                                make_upstream_skip(frozenset(r.target.label for r in _installed)))
+    _upstream = (module, original)
 
 
 def _check_backend(config: config_mod.Config) -> None:
@@ -94,12 +110,17 @@ def _check_backend(config: config_mod.Config) -> None:
 
 def uninstall() -> None:
     """Put every original function object back; a no-op when not installed."""
-    global _guard
+    global _guard, _upstream
     for found in _installed:
         current = found.owner.__dict__.get(found.target.method)
         if getattr(current, "__wrapped__", None) is found.original:
             setattr(found.owner, found.target.method, found.original)
     _installed.clear()
+    if _upstream is not None:
+        module, original = _upstream
+        if getattr(getattr(module, UPSTREAM_PROBE), "__wrapped__", None) is original:
+            setattr(module, UPSTREAM_PROBE, original)
+        _upstream = None
     _guard = None
 
 

@@ -16,6 +16,9 @@ SUPPORTED = ((0, 4, 6), (0, 5, 23))
 TESTED = ("0.5.23",)
 
 MEMORY_POOL = "sglang.srt.mem_cache.memory_pool"
+# sglang 0.5.13+'s in-source probe, as memory_pool binds it; its calls under our
+# labels duplicate our probe and are skipped while the guard is installed.
+UPSTREAM_PROBE = "maybe_detect_oob"
 
 
 @dataclass(frozen=True)
