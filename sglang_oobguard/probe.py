@@ -38,7 +38,7 @@ class Record(NamedTuple):
 RECORD_LEN = len(Record._fields)
 
 # Below this many ids a Python list beats a torch reduction on the host path.
-_HOST_LIST_MAX = 64
+_HOST_LIST_MAX = 32
 
 
 class Finding(NamedTuple):
