@@ -75,10 +75,10 @@ def install(mode: Optional[str] = None) -> tuple[Target, ...]:
     _skip_upstream_duplicates()
     _guard = guard
     version = version_of_sglang()
-    logger.info("active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s",
+    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s",
                 os.getpid(), config.mode.value, config.backend.value, len(_installed), version)
     if skipped or not is_supported(version):
-        logger.warning("sglang %s%s; not guarded: %s", version,
+        logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped) or "nothing")
     return tuple(r.target for r in _installed)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-logger = logging.getLogger("sglang_oobguard")
+logger = logging.getLogger("sglang_oobguard")  # messages name us themselves: sglang's format omits the logger
 
 
 class _FallbackHandler(logging.StreamHandler):
@@ -30,7 +30,7 @@ class _FallbackHandler(logging.StreamHandler):
 def ensure_visible() -> None:
     if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
         handler = _FallbackHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(message)s"))
         logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
@@ -89,12 +89,12 @@ class Reporter:
     def _warn(self, violation: Violation) -> None:
         now = time.monotonic()
         if self._last_log is None:
-            logger.warning("KV write out of bounds, contained (ids sent to padding slot 0): %s (pool %s)",
+            logger.warning("sglang_oobguard: KV write out of bounds, contained (ids sent to padding slot 0): %s (pool %s)",
                            violation, violation.pool)
         elif now - self._last_log >= self.warn_interval_s:
             bad = sum(v.total_bad for v in self.latest.values())
             calls = sum(v.calls for v in self.latest.values())
-            logger.warning("KV writes out of bounds so far: %d bad slot ids in %d writes "
+            logger.warning("sglang_oobguard: KV writes out of bounds so far: %d bad slot ids in %d writes "
                            "(%d reports not logged since the last line); latest: %s (pool %s)",
                            bad, calls, self._suppressed, violation, violation.pool)
         else:
