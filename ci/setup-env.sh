@@ -17,4 +17,6 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 # sglang's own requirements are GPU wheels that cannot install here.
 "${pip[@]}" --no-deps sglang==0.5.23
 "${pip[@]}" -e "$root[test]"
+# Test support only: the fault injector the end-to-end tests load as a second plugin.
+"${pip[@]}" -e "$root/tests/e2e/faultinject"
 echo "$want" > "$venv/.oobguard-stamp"

@@ -1,0 +1,47 @@
+"""Test support: a tiny randomly initialised Llama and a locally trained byte-level BPE
+tokenizer, saved to a directory (no download is possible on the test machines).
+Seeded, so every build is the same model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB = 1000
+_TEXT = ("the quick brown fox jumps over the lazy dog. a stale slot id writes into the wrong row of the kv cache. "
+         "sglang serves language models; the radix cache shares prompt prefixes between requests. ") * 50
+
+
+def build_tiny_llama(path: Path) -> Path:
+    """Build once per directory; later calls return at once."""
+    path = Path(path)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 3, special_tokens=["<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_id=1, torch_dtype="float32", tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(build_tiny_llama(Path(sys.argv[1])))

@@ -1,0 +1,90 @@
+"""End to end: the real sglang 0.5.23 Engine on the CPU (tiny Llama, torch_native
+attention), the guard loaded by sglang's own plugin loader in every process, and a
+real stale slot id injected by a second plugin (tests/e2e/faultinject) on chosen
+decode steps, between the allocator and the attention backend's KV write.
+
+Four prompts run concurrently with greedy sampling, so a fault hits one request of
+a batch of four: token 1 of the decode batch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from e2e.harness import run_engine
+from e2e.tiny_model import build_tiny_llama
+
+pytestmark = pytest.mark.e2e
+
+POOL_HIGH = 2049  # max_total_tokens 2048 + page_size 1
+ACTIVE = re.compile(r"sglang_oobguard active \(pid (\d+)\): mode=(\w+)")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def clean(model):
+    """Guard off, no fault: the reference tokens."""
+    run = run_engine(model, {})
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert not run.leftovers
+    return run.result["outputs"]
+
+
+def injected(run) -> list[str]:
+    return [line for line in run.log.splitlines() if line.startswith("oobguard_faultinject: step")]
+
+
+def test_guard_on_without_fault_changes_nothing_and_activates_in_the_scheduler(model, clean):
+    run = run_engine(model, {"SGLANG_ENABLE_ASYNC_ASSERT": "1"})
+    assert run.returncode == 0 and run.result["outputs"] == clean, run.log[-3000:]
+    pids = {int(pid) for pid, mode in ACTIVE.findall(run.log) if mode == "strict"}
+    assert len(pids) >= 2, run.log[-3000:]  # the engine's process and its scheduler (and detokenizer)
+    assert "KV write out of bounds" not in run.log and not run.leftovers
+
+
+def test_baseline_unguarded_too_high_id_crashes_the_engine_far_from_its_cause(model):
+    run = run_engine(model, {"OOBGUARD_FAULT": "step=3,token=1,value=high+3"})
+    assert len(injected(run)) == 1, run.log[-3000:]
+    assert run.result is None and run.returncode != 0  # sglang kills the whole process tree
+    assert f"IndexError: index {POOL_HIGH + 3} is out of bounds for dimension 0 with size {POOL_HIGH}" in run.log
+    assert "sglang_oobguard" not in run.log and not run.leftovers
+
+
+def test_baseline_unguarded_minus_one_is_silent(model, clean):
+    run = run_engine(model, {"OOBGUARD_FAULT": "step=3,token=1,value=-1"})
+    assert len(injected(run)) == 1
+    assert run.returncode == 0 and "outputs" in run.result, run.log[-3000:]  # no error anywhere
+    assert "Error" not in run.log.split(injected(run)[0])[1]
+
+
+@pytest.mark.parametrize("mode,value", [("strict", "high+3"), ("raise", "-1")])
+def test_strict_and_raise_fail_the_engine_with_the_full_report(model, mode, value):
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": mode, "OOBGUARD_FAULT": f"step=3,token=1,value={value}"})
+    assert len(injected(run)) == 1, run.log[-3000:]
+    bad = POOL_HIGH + 3 if value == "high+3" else -1
+    report = (f"KVOutOfBoundsError: set_kv_buffer (MHA) layer 0: 1 of 4 slot ids outside [0, {POOL_HIGH}): "
+              f"loc[1] = {bad} (pool MHATokenToKVPool)")
+    assert report in run.log, run.log[-3000:]
+    assert run.result is None and run.returncode != 0  # reported, not hung
+    assert "out of bounds for dimension" not in run.log  # stopped before torch's write
+    assert not run.leftovers
+
+
+def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model, clean):
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "3600",
+                             "OOBGUARD_FAULT": "step=3-6,token=1,value=high+3"})
+    assert len(injected(run)) == 4, run.log[-3000:]
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    outputs = run.result["outputs"]
+    assert all(len(tokens) == 16 for tokens in outputs)
+    same = [got == want for got, want in zip(outputs, clean)]
+    assert sum(same) >= 3, (outputs, clean)  # only the faulted request may differ
+    warnings = [line for line in run.log.splitlines() if "sglang_oobguard: KV write" in line]
+    assert len(warnings) == 1, warnings  # four faulted steps, one line: rate-limited
+    assert f"loc[1] = {POOL_HIGH + 3}" in warnings[0] and "layer 0" in warnings[0]
+    assert not run.leftovers
