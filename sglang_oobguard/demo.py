@@ -1,7 +1,11 @@
 """`python -m sglang_oobguard demo`: a stale slot id written into a real sglang KV pool
-on this machine, first unguarded (the damage), then guarded (the report)."""
+on this machine, first unguarded (the damage), then guarded (the report).
+`demo --engine` tells the same story in the real sglang Engine on the CPU."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
@@ -81,4 +85,50 @@ def run() -> int:
     finally:
         patch.uninstall()
     print("\nDemo " + ("finished as described." if ok else "did NOT behave as described."))
+    return 0 if ok else 1
+
+
+_STEPS = "step=3,token=1"
+
+
+def _first(log: str, needle: str) -> str:
+    return next((line.strip() for line in log.splitlines() if needle in line), f"(no line with {needle!r})")
+
+
+def run_engine_story() -> int:
+    """Four runs of the real Engine (tiny local Llama, CPU), one stale slot id injected in
+    decode step 3 by the test fault-injector plugin. Needs a source checkout (tests/e2e)."""
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    if not (tests / "e2e" / "harness.py").exists():
+        print("demo --engine runs from a source checkout: it needs tests/e2e (tiny model, fault injector)")
+        return 2
+    sys.path.insert(0, str(tests))
+    from e2e.harness import run_engine
+    from e2e.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tests.parent / ".cache" / "tiny-llama")
+    ok = True
+    print("The real sglang Engine on this CPU: 4 concurrent prompts, greedy; a stale slot id is injected for "
+          "request 2 of 4 in decode step 3 (each run ~30 s).\n")
+
+    run = run_engine(model, {"OOBGUARD_FAULT": f"{_STEPS},value=high+3"})
+    print(f"1. Unguarded, slot id past the pool: the engine dies (exit {run.returncode}), the scheduler says only\n"
+          f"   {_first(run.log, 'IndexError')}")
+    ok &= run.result is None and not run.leftovers
+
+    run = run_engine(model, {"OOBGUARD_FAULT": f"{_STEPS},value=-1"})
+    print(f"2. Unguarded, slot id -1: no error at all (exit {run.returncode}); the pool's last row was overwritten")
+    ok &= bool(run.result) and "outputs" in run.result
+
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "raise", "OOBGUARD_FAULT": f"{_STEPS},value=high+3"})
+    print(f"3. SGLANG_OOBGUARD_MODE=raise: stopped before the write, the scheduler log names it all (exit "
+          f"{run.returncode}):\n   {_first(run.log, 'KVOutOfBoundsError:')}")
+    ok &= "KVOutOfBoundsError: set_kv_buffer (MHA) layer 0" in run.log and not run.leftovers
+
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", "OOBGUARD_FAULT": f"{_STEPS},value=-1"})
+    served = bool(run.result) and all(len(t) == 16 for t in run.result.get("outputs", []))
+    print(f"4. SGLANG_OOBGUARD_MODE=warn: contained and served ({'all 4 requests completed' if served else 'FAILED'}):"
+          f"\n   {_first(run.log, 'sglang_oobguard: KV write')}")
+    ok &= served
+    print("\nEngine demo " + ("finished as described." if ok else "did NOT behave as described."))
     return 0 if ok else 1

@@ -88,3 +88,13 @@ def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model
     assert len(warnings) == 1, warnings  # four faulted steps, one line: rate-limited
     assert f"loc[1] = {POOL_HIGH + 3}" in warnings[0] and "layer 0" in warnings[0]
     assert not run.leftovers
+
+
+def test_http_server_generates_with_the_guard_on_and_shuts_down_cleanly(model, tmp_path):
+    from e2e.harness import serve_once
+
+    run = serve_once(model, {"SGLANG_ENABLE_ASYNC_ASSERT": "1"}, tmp_path / "server.log")
+    assert run.result and len(run.result["output_ids"]) == 8, run.log[-3000:]
+    assert len({pid for pid, _ in ACTIVE.findall(run.log)}) >= 2, run.log[-3000:]
+    assert "KV write out of bounds" not in run.log
+    assert not run.leftovers

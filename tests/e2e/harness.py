@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +52,17 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
-def run_engine(model: Path, env: dict[str, str], timeout: float = 240) -> Run:
-    marker = f"OOBGUARD_E2E_RUN={uuid.uuid4().hex}"
+def _start(args: list[str], env: dict[str, str], log_to=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+    marker = uuid.uuid4().hex
     full = engine_env(env)
-    full["OOBGUARD_E2E_RUN"] = marker.split("=", 1)[1]
-    proc = subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), str(model)], env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    full["OOBGUARD_E2E_RUN"] = marker
+    proc = subprocess.Popen([sys.executable, *args], env=full, stdout=log_to, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    return proc, f"OOBGUARD_E2E_RUN={marker}"
+
+
+def run_engine(model: Path, env: dict[str, str], timeout: float = 240) -> Run:
+    proc, marker = _start([str(HERE / "engine_run.py"), str(model)], env)
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -69,3 +77,45 @@ def run_engine(model: Path, env: dict[str, str], timeout: float = 240) -> Run:
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     return Run(proc.returncode, result, log, leftovers)
+
+
+def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float = 240) -> Run:
+    """`python -m sglang.launch_server --device cpu` on 127.0.0.1: wait for /health, one
+    /generate, then SIGTERM and a bounded wait; result holds the /generate answer."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-cuda-graph", "--max-total-tokens", "2048", "--mem-fraction-static", "0.05",
+            "--context-length", "512"]
+    base = f"http://127.0.0.1:{port}"
+    result = None
+    with open(log_path, "w") as log_file:
+        proc, marker = _start(args, env, log_to=log_file)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    urllib.request.urlopen(base + "/health", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(1)
+            body = json.dumps({"text": "the quick brown fox",
+                               "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).encode()
+            request = urllib.request.Request(base + "/generate", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                result = json.loads(answer.read())
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    time.sleep(1)
+    leftovers = marked_processes(marker)
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    return Run(proc.returncode, result, log_path.read_text(), leftovers)
