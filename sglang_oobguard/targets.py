@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
-# Supported versions, declared up front. Within this range the table's classes
-# are looked up; a class or method that a release lacks is skipped and named
-# in the activation log line. Outside it the guard still installs what fits.
-SUPPORTED = ((0, 4, 6), (0, 5, 23))
+# Supported versions, declared up front: the releases with sglang's plugin loader
+# (0.5.11+) up to the newest one read. A class or method that a release lacks is
+# skipped and named in a log line; outside the range the guard still installs what
+# fits, and the same line says the release is outside it.
+SUPPORTED = ((0, 5, 11), (0, 5, 23))
 TESTED = ("0.5.23",)
 
 MEMORY_POOL = "sglang.srt.mem_cache.memory_pool"
