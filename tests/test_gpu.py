@@ -53,8 +53,7 @@ def test_raise_surfaces_at_check_and_contains(mp, guard):
 def test_raise_surfaces_at_a_later_guarded_call_without_sync(mp, guard):
     guard("raise", poll_every=1)
     pool = cuda_pool(mp)
-    pool.set_kv_buffer(Layer(0), torch.tensor([-1], device="cuda"), kv(1), kv(1))
-    pool.set_kv_buffer(Layer(0), torch.tensor([5], device="cuda"), kv(1), kv(1))  # enqueues the mirror copy
+    pool.set_kv_buffer(Layer(0), torch.tensor([-1], device="cuda"), kv(1), kv(1))  # recorded; mirror copy enqueued
     torch.cuda.synchronize()  # let the copy land; the guard itself never waits
     with pytest.raises(KVOutOfBoundsError, match=r"loc\[0\] = -1"):
         pool.set_kv_buffer(Layer(0), torch.tensor([6], device="cuda"), kv(1), kv(1))

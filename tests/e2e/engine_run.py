@@ -1,5 +1,7 @@
 """Test support: run the real sglang Engine on the CPU with the tiny model, generate
-greedily for a few concurrent prompts, print one JSON line, shut down.
+greedily for a few concurrent prompts, print one JSON line, shut down. The prompts are
+tokenized as one batch, so they are prefilled together and token i of every decode
+step belongs to request i on every run.
 
     python tests/e2e/engine_run.py MODEL_DIR
 
@@ -19,7 +21,7 @@ def main(model: str) -> int:
     engine = sglang.Engine(model_path=model, device="cpu", attention_backend="torch_native",
                            sampling_backend="pytorch", disable_cuda_graph=True, max_total_tokens=2048,
                            mem_fraction_static=0.05, context_length=512, log_level="info",
-                           disable_radix_cache=True)
+                           disable_radix_cache=True, enable_tokenizer_batch_encode=True)
     result: dict = {}
     try:
         outs = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 16})

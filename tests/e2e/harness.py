@@ -81,7 +81,8 @@ def run_engine(model: Path, env: dict[str, str], timeout: float = 240) -> Run:
 
 def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float = 240) -> Run:
     """`python -m sglang.launch_server --device cpu` on 127.0.0.1: wait for /health, one
-    /generate, then SIGTERM and a bounded wait; result holds the /generate answer."""
+    /generate, then SIGTERM to the server and a bounded wait (a group SIGKILL only as
+    the fallback); result holds the /generate answer."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -107,8 +108,8 @@ def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float 
             with urllib.request.urlopen(request, timeout=60) as answer:
                 result = json.loads(answer.read())
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+            if proc.poll() is None:  # the server alone: it stops its own children
+                os.kill(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

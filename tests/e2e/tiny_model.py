@@ -34,7 +34,8 @@ def build_tiny_llama(path: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=0, eos_token_id=1, torch_dtype="float32", tie_word_embeddings=False)
+                         bos_token_id=0, eos_token_id=1, torch_dtype="float32", tie_word_embeddings=False,
+                         initializer_range=0.5)  # large weights: a corrupted KV row visibly changes tokens
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
