@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Union
 # skipped and named in a log line; outside the range the guard still installs what
 # fits, and the same line says the release is outside it.
 SUPPORTED = ((0, 5, 11), (0, 5, 23))
-TESTED = ("0.5.23",)
+TESTED = ("0.5.12", "0.5.23")
 
 MEMORY_POOL = "sglang.srt.mem_cache.memory_pool"
 # sglang 0.5.13+'s in-source probe, as memory_pool binds it; its calls under our

@@ -20,11 +20,16 @@ from helpers import GUARD_VARS  # noqa: E402
 
 @pytest.fixture(scope="session")
 def mp():
-    """sglang's memory_pool module, with the parallel context MLA writes assert on."""
-    from sglang.srt.mem_cache import memory_pool
-    from sglang.srt.runtime_context import get_parallel
+    """sglang's memory_pool module, with the parallel context that MLA writes assert on
+    where the release has one (0.5.2x)."""
+    import importlib.util
 
-    get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
+    from sglang.srt.mem_cache import memory_pool
+
+    if importlib.util.find_spec("sglang.srt.runtime_context"):
+        from sglang.srt.runtime_context import get_parallel
+
+        get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
     return memory_pool
 
 

@@ -14,6 +14,29 @@ GUARD_VARS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OO
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def needs(mp, name: str, since: str) -> None:
+    """Skip a test of a feature this sglang release does not have yet."""
+    import pytest
+
+    if not hasattr(mp, name):
+        pytest.skip(f"{name} arrived in sglang {since}")
+
+
+def as_write_loc(mp, loc: torch.Tensor):
+    """A KVWriteLoc (0.5.14+) around `loc`, or `loc` itself on older releases."""
+    return mp.KVWriteLoc(loc) if hasattr(mp, "KVWriteLoc") else loc
+
+
+def sglang_can_write(make, method: str, payload) -> None:
+    """Skip where sglang's own write of this pool fails on the CPU for this release."""
+    import pytest
+
+    try:
+        getattr(make(), method)(Layer(0), torch.tensor([1]), *payload(1))
+    except Exception as exc:  # sglang's, not ours: the guard is not installed here
+        pytest.skip(f"sglang's own {method} fails on the CPU in this release: {type(exc).__name__}: {exc}")
+
+
 class Layer:
     """What a pool reads of sglang's RadixAttention: its layer id."""
 

@@ -66,7 +66,9 @@ def test_activation_through_load_plugins(env, mode):
     active = [line for line in stderr.splitlines() if "sglang_oobguard active" in line]
     if mode:
         assert len(active) == 1
-        assert f"mode={mode}, backend=auto, 6 guarded methods, sglang 0.5.23" in active[0]
+        from importlib.metadata import version
+
+        assert f"mode={mode}, backend=auto, 6 guarded methods, sglang {version('sglang')}" in active[0]
     else:
         assert not active
 

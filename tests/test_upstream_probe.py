@@ -8,7 +8,12 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, mha
+from helpers import Layer, mha, needs
+
+
+@pytest.fixture(autouse=True)
+def upstream_probe(mp):
+    needs(mp, "maybe_detect_oob", "0.5.13")
 
 
 def test_duplicates_skipped_others_untouched_and_restored(mp, monkeypatch):

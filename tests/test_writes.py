@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, mha
+from helpers import Layer, mha, needs
 from sglang_oobguard import KVOutOfBoundsError
 
 HIGH = 65  # size 64 + page_size 1
@@ -105,6 +105,7 @@ def test_page_size_16_bounds(mp, guard):
 
 
 def test_kv_write_loc_is_checked_and_the_same_object_reaches_sglang(mp, guard, monkeypatch):
+    needs(mp.KVCache, "_check_physical_write_loc", "0.5.22")
     guard("raise")
     pool = mha(mp)
     seen = []
@@ -119,12 +120,19 @@ def test_kv_write_loc_is_checked_and_the_same_object_reaches_sglang(mp, guard, m
     assert len(seen) == 1  # rejected before sglang saw it
 
 
+def loc_name(mp) -> str:
+    """`loc_info` from 0.5.16, `loc` before."""
+    import inspect
+
+    return list(inspect.signature(mp.MHATokenToKVPool.set_kv_buffer).parameters)[2]
+
+
 def test_loc_by_keyword(mp, guard):
     guard("raise")
     pool = mha(mp)
     k = torch.zeros(1, 2, 4)
     with pytest.raises(KVOutOfBoundsError, match=r"loc\[0\] = -1"):
-        pool.set_kv_buffer(layer=Layer(0), loc_info=torch.tensor([-1]), cache_k=k, cache_v=k)
+        pool.set_kv_buffer(layer=Layer(0), cache_k=k, cache_v=k, **{loc_name(mp): torch.tensor([-1])})
 
 
 def test_layer_id_override_names_the_layer(mp, guard):
