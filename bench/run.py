@@ -104,7 +104,7 @@ def write_rows(quick: bool) -> list[dict]:
 
 
 OFF_PROBE = """
-import json, sys, time
+import json, shutil, site, sys, tempfile, time
 before = set(sys.modules)
 t0 = time.perf_counter()
 from sglang_oobguard.plugin import load
@@ -112,7 +112,15 @@ t1 = time.perf_counter()
 load()
 t2 = time.perf_counter()
 new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] not in sys.stdlib_module_names)
-print(json.dumps({"import_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3, "modules": new}))
+empty, with_pth = tempfile.mkdtemp(), tempfile.mkdtemp()
+shutil.copy({pth!r}, with_pth)
+t3 = time.perf_counter()
+site.addsitedir(empty)
+t4 = time.perf_counter()
+site.addsitedir(with_pth)
+t5 = time.perf_counter()
+print(json.dumps({{"import_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3, "modules": new,
+                  "pth_us": ((t5 - t4) - (t4 - t3)) * 1e6}}))
 """
 
 IDENTITY_PROBE = """
@@ -135,10 +143,12 @@ def fresh(code: str) -> dict:
 
 
 def off_rows(quick: bool) -> dict:
-    runs = [fresh(OFF_PROBE) for _ in range(2 if quick else 7)]
+    pth = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sglang_oobguard.pth")
+    runs = [fresh(OFF_PROBE.format(pth=pth)) for _ in range(2 if quick else 7)]
     return {
         "import_ms": statistics.median(r["import_ms"] for r in runs),
         "load_ms": statistics.median(r["load_ms"] for r in runs),
+        "pth_us": statistics.median(r["pth_us"] for r in runs),
         "modules": runs[0]["modules"],
         "identity": fresh(IDENTITY_PROBE),
     }
@@ -175,7 +185,8 @@ def main() -> int:
     ident = off["identity"]
     print(f"Off, after sglang's load_plugins(): {ident['same']} of {ident['total']} guarded methods are the "
           "original function objects (`is`).")
-    print("The .pth hook for sglang < 0.5.11 does not exist yet: no interpreter-start cost to measure.")
+    print(f"Off, the .pth hook at interpreter start: {off['pth_us']:.1f} us (site.addsitedir on a directory "
+          "holding it, minus the same on an empty one).")
     return 0
 
 

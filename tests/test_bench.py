@@ -25,6 +25,7 @@ def test_cpu_benchmark_prints_every_row():
     assert re.search(r"load\(\) takes [\d.]+ us", out)
     assert "Modules imported beyond the standard library: sglang_oobguard, sglang_oobguard.plugin." in out
     assert "6 of 6 guarded methods are the original function objects" in out
+    assert re.search(r"the .pth hook at interpreter start: -?[\d.]+ us", out)
 
 
 def test_gpu_benchmark_dry_run_executes():

@@ -1,0 +1,89 @@
+"""The `.pth` import hook (for sglang releases without a plugin loader), exercised the
+way Python runs it: `site.addsitedir` on a directory holding the shipped file, in a
+fresh interpreter. The editable install of the test venv does not place .pth files,
+so the wheel's contents are checked separately."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from helpers import ROOT, run_python
+
+PTH = ROOT / "sglang_oobguard.pth"
+
+REPORT = """
+import json, site, sys
+site.addsitedir({site_dir!r})
+armed = "sglang_oobguard.autoload" in sys.modules
+loaded = sorted(m for m in sys.modules if m.startswith("sglang_oobguard"))
+wrapped = None
+if {import_pool}:
+    from sglang.srt.mem_cache import memory_pool as mp
+    wrapped = mp.MHATokenToKVPool.__dict__["set_kv_buffer"]
+    if {load_plugins}:
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+    fn = mp.MHATokenToKVPool.__dict__["set_kv_buffer"]
+    wrapped = {{"once": hasattr(fn, "__wrapped__") and not hasattr(fn.__wrapped__, "__wrapped__"),
+               "same": fn is wrapped}}
+print(json.dumps({{"armed": armed, "loaded": loaded, "wrapped": wrapped}}))
+"""
+
+
+@pytest.fixture
+def site_dir(tmp_path):
+    shutil.copy(PTH, tmp_path / PTH.name)
+    return str(tmp_path)
+
+
+def report(site_dir, env, import_pool=True, load_plugins=False):
+    code = REPORT.format(site_dir=site_dir, import_pool=import_pool, load_plugins=load_plugins)
+    proc = run_python(code, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_its_triggers_are_the_entry_points():
+    from sglang_oobguard.plugin import TRIGGERS
+
+    line = PTH.read_text().strip()
+    assert len(PTH.read_text().splitlines()) == 1 and line.startswith("import os;")
+    assert [part.split('"')[1] for part in line.split("os.environ.get(")[1:]] == list(TRIGGERS)
+
+
+def test_off_it_imports_nothing(site_dir):
+    got, _ = report(site_dir, {}, import_pool=False)
+    assert got == {"armed": False, "loaded": [], "wrapped": None}
+
+
+def test_on_it_patches_memory_pool_at_first_import_without_the_loader(site_dir):
+    got, stderr = report(site_dir, {"SGLANG_ENABLE_ASYNC_ASSERT": "1"})
+    assert got["armed"] and got["wrapped"] == {"once": True, "same": True}
+    assert stderr.count("sglang_oobguard active") == 1
+
+
+def test_with_the_entry_point_too_it_installs_exactly_once(site_dir):
+    got, stderr = report(site_dir, {"SGLANG_OOBGUARD_MODE": "warn"}, load_plugins=True)
+    assert got["wrapped"] == {"once": True, "same": True}
+    assert stderr.count("sglang_oobguard active") == 1
+
+
+def test_an_invalid_value_never_breaks_sglangs_import(site_dir):
+    got, stderr = report(site_dir, {"SGLANG_OOBGUARD_MODE": "loud"})
+    assert got["armed"] and got["wrapped"] == {"once": False, "same": True}
+    assert "sglang_oobguard: invalid SGLANG_OOBGUARD_MODE='loud'" in stderr
+
+
+def test_the_wheel_ships_it_at_the_root(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("sglang_oobguard-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("sglang_oobguard.pth").decode() == PTH.read_text()
+        assert "sglang_oobguard/autoload.py" in archive.namelist()
