@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import site
 from importlib.metadata import entry_points
 from importlib.util import find_spec
+from pathlib import Path
 
 from . import config
 from .patch import coverage
@@ -23,9 +25,13 @@ def run() -> int:
     print(f"sglang {version} ({support}; tested on {', '.join(TESTED)})")
     registered = any(ep.name == "oobguard" for ep in entry_points(group="sglang.srt.plugins"))
     loader = find_spec("sglang.srt.plugins") is not None
+    pth = any((Path(d) / "sglang_oobguard.pth").exists() for d in site.getsitepackages())
     print(f"activation: entry point sglang.srt.plugins:oobguard "
-          f"{'registered' if registered else 'NOT registered'}; sglang's plugin loader "
-          f"{'present' if loader else 'ABSENT (sglang < 0.5.11)'}")
+          f"{'registered' if registered else 'NOT registered'}, sglang's plugin loader "
+          f"{'present' if loader else 'ABSENT (sglang < 0.5.11)'}; .pth import hook "
+          f"{'installed' if pth else 'not installed (an editable install places none)'}")
+    if not loader and not pth:
+        print("  -> nothing activates the guard in sglang's processes: pip install the package (not -e)")
     state = "active" if settings.active else f"inactive; set {config.ENABLE_VAR}=1 to enable"
     print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value}")
     print("guarded:")
