@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
-# Supported versions, declared up front: the releases with sglang's plugin loader
-# (0.5.11+) up to the newest one read. A class or method that a release lacks is
-# skipped and named in a log line; outside the range the guard still installs what
-# fits, and the same line says the release is outside it.
-SUPPORTED = ((0, 5, 11), (0, 5, 23))
-TESTED = ("0.5.12", "0.5.23")
+# Supported versions, declared up front: from the oldest release the CI matrix runs
+# (0.5.10: activated by the .pth hook, having no plugin loader) to the newest one read.
+# A class or method that a release lacks is skipped and named in a log line; outside
+# the range the guard still installs what fits, and the same line says so.
+SUPPORTED = ((0, 5, 10), (0, 5, 23))
+TESTED = ("0.5.10", "0.5.12", "0.5.23")
 
 MEMORY_POOL = "sglang.srt.mem_cache.memory_pool"
 # sglang 0.5.13+'s in-source probe, as memory_pool binds it; its calls under our

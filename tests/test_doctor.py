@@ -15,7 +15,7 @@ def test_doctor_lists_version_activation_mode_and_every_target():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.startswith(f"sglang {version('sglang')} (supported;")
-    assert "entry point sglang.srt.plugins:oobguard registered" in out
+    assert "entry point sglang.srt.plugins:oobguard registered" in out and ".pth import hook" in out
     assert "mode: warn (active); backend: auto" in out
     for target in TARGETS:
         assert f"{target.qualname}" in out and target.label in out and f"[0, {target.bound.rule})" in out

@@ -5,6 +5,7 @@ so the wheel's contents are checked separately."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -69,6 +70,8 @@ def test_on_it_patches_memory_pool_at_first_import_without_the_loader(site_dir):
 
 
 def test_with_the_entry_point_too_it_installs_exactly_once(site_dir):
+    if importlib.util.find_spec("sglang.srt.plugins") is None:
+        pytest.skip("sglang's plugin loader arrived in 0.5.11")
     got, stderr = report(site_dir, {"SGLANG_OOBGUARD_MODE": "warn"}, load_plugins=True)
     assert got["wrapped"] == {"once": True, "same": True}
     assert stderr.count("sglang_oobguard active") == 1
