@@ -89,7 +89,7 @@ def write_rows(quick: bool) -> list[dict]:
         k = torch.randn(n, HEADS, DIM, dtype=torch.bfloat16)
         write = lambda: pool.set_kv_buffer(Layer, loc, k, k)  # noqa: E731
         calls = 20 if quick else max(20, 20000 // (n + 8))
-        rounds = 2 if quick else 15
+        rounds = 2 if quick else 25
         w = per_call_us({"unguarded": write, "guarded": write, "upstream": write, "both": write}, calls, rounds,
                         {"unguarded": plain, "guarded": ours, "upstream": upstream, "both": both})
         p = per_call_us({"ours": lambda: probe.scan_host(loc, HIGH),

@@ -63,7 +63,7 @@ def scan_host(loc: torch.Tensor, high: int) -> Finding | None:
             return None
     else:
         lo, hi = torch.aminmax(flat)
-        if int(lo) >= 0 and int(hi) < high:
+        if lo.item() >= 0 and hi.item() < high:
             return None
     bad = (flat < 0) | (flat >= high)
     pos = int(bad.to(torch.uint8).argmax())
