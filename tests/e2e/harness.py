@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from helpers import GUARD_VARS
+
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE / "sgl_kernel_standin"
-CLEARED = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE", "SGLANG_OOBGUARD_BACKEND",
-           "SGLANG_OOBGUARD_POLL_EVERY", "SGLANG_OOBGUARD_WARN_INTERVAL_S", "OOBGUARD_FAULT", "TRITON_INTERPRET",
-           "SGLANG_PLUGINS")
+CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "TRITON_INTERPRET", "SGLANG_PLUGINS")
 
 
 @dataclass
