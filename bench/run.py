@@ -126,11 +126,11 @@ print(json.dumps({{"import_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3, "mo
 IDENTITY_PROBE = """
 import json
 from sglang.srt.mem_cache import memory_pool as mp
-from sglang_oobguard.targets import TARGETS
-before = {t.qualname: getattr(mp, t.class_name).__dict__[t.method] for t in TARGETS}
+from sglang_oobguard.patch import coverage
+before = {(e.owner, e.method): e.owner.__dict__[e.method] for e in coverage()}
 from sglang.srt.plugins import load_plugins
 load_plugins()
-same = [q for q, f in before.items() if getattr(mp, q.split('.')[0]).__dict__[q.split('.')[1]] is f]
+same = [k for k, f in before.items() if k[0].__dict__[k[1]] is f]
 print(json.dumps({"same": len(same), "total": len(before)}))
 """
 
@@ -183,7 +183,7 @@ def main() -> int:
           f"{off['import_ms']:.2f} ms (an editable install, no bytecode cache). Modules imported beyond the "
           f"standard library: {', '.join(off['modules'])}.")
     ident = off["identity"]
-    print(f"Off, after sglang's load_plugins(): {ident['same']} of {ident['total']} guarded methods are the "
+    print(f"Off, after sglang's load_plugins(): {ident['same']} of {ident['total']} write methods are the "
           "original function objects (`is`).")
     print(f"Off, the .pth hook at interpreter start: {off['pth_us']:.1f} us (site.addsitedir on a directory "
           "holding it, minus the same on an empty one).")

@@ -8,7 +8,9 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from . import config
+from .discover import Found, import_pool_modules
 from .patch import coverage
+from .report import site_label
 from .targets import SUPPORTED, TESTED, is_supported, version_of_sglang
 
 
@@ -34,14 +36,25 @@ def run() -> int:
         print("  -> nothing activates the guard in sglang's processes: pip install the package (not -e)")
     state = "active" if settings.active else f"inactive; set {config.ENABLE_VAR}=1 to enable"
     print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value}")
-    print("guarded:")
-    missing = []
-    for target, found in coverage():
-        if isinstance(found, str):
-            missing.append(f"  {target.qualname}: {found}")
-        else:
-            print(f"  {target.qualname:40} {target.label:30} [0, {target.bound.rule})")
-    print("not guarded:" + ("" if missing else " none"))
-    for line in missing:
-        print(line)
+    unimported = import_pool_modules()
+    entries = coverage()
+    if isinstance(entries, str):
+        print(f"guarded: nothing ({entries})")
+        return 0
+    found = [e for e in entries if isinstance(e, Found)]
+    print(f"guarded ({len(found)} methods):")
+    for entry in found:
+        for ids, name, number in zip(entry.rule.ids, entry.id_names, entry.sites):
+            print(f"  {entry.qualname:48} {site_label(number):50} {name} "
+                  f"in [0, {ids.bound.rule})" + (", valid prefix of each row" if entry.rule.lens else ""))
+    skipped = [e for e in entries if not isinstance(e, Found)]
+    for title, design in (("not guarded", False), ("left alone (writes nothing)", True)):
+        rows = [e for e in skipped if e.by_design is design]
+        print(f"{title}:" + ("" if rows else " none"))
+        for entry in rows:
+            print(f"  {entry.qualname:48} {entry.reason}")
+    if unimported:
+        print("pool modules that do not import here (their classes are not listed):")
+        for module, why in unimported.items():
+            print(f"  {module}: {why[:150]}")
     return 0

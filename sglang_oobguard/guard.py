@@ -17,11 +17,11 @@ import torch
 
 from . import probe
 from .config import Backend, Config, Mode
-from .report import Reporter, Violation
-from .targets import TARGETS, Resolved
+from .discover import Found
+from .report import Reporter, Violation, is_site_label, site_label
 
 STATE_ATTR = "_oobguard_state"
-Call = tuple  # (args, kwargs, index of layer_id_override in args or None)
+Call = tuple  # (args, kwargs, the Found being called): read for the layer id only when needed
 
 _serials = itertools.count()
 
@@ -49,6 +49,10 @@ class Guard:
         self.reporter = Reporter(config.warn_interval_s)
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self._messages: dict[tuple[int, int], str] = {}
+        # (id(pool), method) -> the ids object being probed there: a nested call on the
+        # same pool and method with the same object (a super() call) is not probed again.
+        # Non-empty means "inside a guarded method", where upstream's duplicate is skipped.
+        self.busy: dict[tuple[int, str], Any] = {}
         self.configure(config)
 
     def configure(self, config: Config) -> None:
@@ -61,7 +65,30 @@ class Guard:
 
     # -- the hot path ---------------------------------------------------------
 
-    def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, call: Call) -> None:
+    def call(self, found: Found, wrapped: Callable[..., Any], pool: Any, args: tuple, kwargs: dict) -> Any:
+        """One guarded call: probe each id parameter of `found`, then write."""
+        key = (id(pool), found.method)
+        outer = self.busy.get(key)
+        head = _arg(args, kwargs, found.rule.ids[0].position, found.id_names[0])
+        if outer is not None and outer is head:  # super() with the same ids: probed already
+            return wrapped(*args, **kwargs)
+        self.busy[key] = head
+        try:
+            for number, ids in enumerate(found.rule.ids):
+                value = head if number == 0 else _arg(args, kwargs, ids.position, found.id_names[number])
+                loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
+                if loc is not None:
+                    lens = None if found.rule.lens is None else _arg(args, kwargs, found.rule.lens, "commit_lens")
+                    self.check_write(pool, found.sites[number], loc, ids.bound.high(pool), (args, kwargs, found), lens)
+            return wrapped(*args, **kwargs)
+        finally:
+            if outer is None:
+                del self.busy[key]
+            else:
+                self.busy[key] = outer
+
+    def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, call: Call,
+                    lens: Optional[torch.Tensor] = None) -> None:
         """Probe one write. `call` is read for the layer id only when it is needed.
         The host scan serves CPU tensors (backend auto or torch), and CUDA tensors only
         when asked (torch) and not while a CUDA graph is captured."""
@@ -70,15 +97,16 @@ class Guard:
         else:
             host = self.scan_cpu
         if host:
-            finding = probe.scan_host(loc, high)
+            finding = probe.scan_host(loc, high, lens)
             if finding is not None:
-                self._on_host_finding(self._state(pool, loc), finding, site, _layer_id(*call), high, loc)
+                self._on_host_finding(self._state(pool, loc), finding, site, _layer_id(*call), high, loc, lens)
             return
         if not loc.numel():
             return
         state = self._state(pool, loc)
         strict_gpu = self.strict and loc.is_cuda
-        probe.launch(loc, high, site, _layer_id(*call), state.record, self._message(site, high) if strict_gpu else None)
+        probe.launch(loc, high, site, _layer_id(*call), state.record, self._message(site, high) if strict_gpu else None,
+                     lens)
         state.since_poll += 1
         if state.since_poll >= self.config.poll_every:
             state.since_poll = 0
@@ -98,7 +126,7 @@ class Guard:
         key = (site, high)
         if key not in self._messages:
             self._messages[key] = (
-                f"sglang_oobguard: {TARGETS[site].label}: KV slot id outside [0, {high}); "
+                f"sglang_oobguard: {site_label(site)}: KV slot id outside [0, {high}); "
                 "see the scheduler log, or rerun with SGLANG_OOBGUARD_MODE=raise for the report"
             )[:255]
         return self._messages[key]
@@ -106,14 +134,14 @@ class Guard:
     # -- reporting ------------------------------------------------------------
 
     def _on_host_finding(self, state: PoolState, finding: probe.Finding, site: int,
-                         layer: int, high: int, loc: torch.Tensor) -> None:
+                         layer: int, high: int, loc: torch.Tensor, lens: Optional[torch.Tensor]) -> None:
         probe.fold_host(state.record, finding, site, layer, high, loc.numel())
         totals = probe.read(state.record)
         state.reported = totals.calls
-        violation = Violation(TARGETS[site].label, state.pool_name, layer, high, finding.bad,
+        violation = Violation(site_label(site), state.pool_name, layer, high, finding.bad,
                               loc.numel(), finding.pos, finding.value, totals.total_bad, totals.calls)
         if self.config.mode is Mode.WARN:
-            probe.contain_host(loc, high)
+            probe.contain_host(loc, high, lens)
         self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
 
     def _poll(self, state: PoolState) -> None:
@@ -134,7 +162,7 @@ class Guard:
         if record.calls <= state.reported:
             return
         state.reported = record.calls
-        violation = Violation(TARGETS[record.site].label, state.pool_name, record.layer, record.high,
+        violation = Violation(site_label(record.site), state.pool_name, record.layer, record.high,
                               record.bad, record.numel, record.pos, record.value,
                               record.total_bad, record.calls)
         self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
@@ -148,44 +176,43 @@ class Guard:
         return list(self.reporter.latest.values())
 
 
-def make_wrapper(resolved: Resolved, guard: Guard) -> Callable[..., Any]:
-    """The wrapt wrapper for one resolved target. `loc` is the 2nd parameter after
-    self (`loc` or `loc_info` by release); the caller's objects pass on unchanged."""
-    site = resolved.site
-    high_of = resolved.target.bound.high
-    loc_name = resolved.loc_name
-    override_at = resolved.override_index
+def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
+    """The wrapt wrapper for one found method; the caller's objects pass on unchanged
+    (a KVWriteLoc stays a KVWriteLoc: 0.5.22+ unified pools require the original)."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        loc_info = args[1] if len(args) > 1 else kwargs.get(loc_name)
-        loc = loc_info if isinstance(loc_info, torch.Tensor) else getattr(loc_info, "loc", None)
-        if loc is not None:
-            guard.check_write(instance, site, loc, high_of(instance), (args, kwargs, override_at))
-        return wrapped(*args, **kwargs)
+        return guard.call(found, wrapped, instance, args, kwargs)
 
     return wrapper
 
 
-def _layer_id(args: tuple, kwargs: dict, override_at: Optional[int]) -> int:
-    """`layer_id_override` when given (wrapper pools pass layer=None), else layer.layer_id."""
-    override = args[override_at] if override_at is not None and len(args) > override_at else None
-    if override is None:
-        override = kwargs.get("layer_id_override")
+def _arg(args: tuple, kwargs: dict, position: int, name: str) -> Any:
+    return args[position] if len(args) > position else kwargs.get(name)
+
+
+def _layer_id(args: tuple, kwargs: dict, found: Found) -> int:
+    """`layer_id_override` when given (wrapper pools pass layer=None), else the layer's
+    id: a RadixAttention's `layer_id`, or the int that index writes take. -1: none."""
+    at = found.override_index
+    override = args[at] if at is not None and len(args) > at else kwargs.get("layer_id_override")
     if override is not None:
         return int(override)
-    layer = args[0] if args else kwargs.get("layer")
-    layer_id = getattr(layer, "layer_id", None)
+    if found.layer_name is None:
+        return -1
+    layer = _arg(args, kwargs, found.rule.layer, found.layer_name)
+    layer_id = layer if isinstance(layer, int) else getattr(layer, "layer_id", None)
     return -1 if layer_id is None else int(layer_id)
 
 
-def make_upstream_skip(labels: frozenset[str]) -> Callable[..., Any]:
+def make_upstream_skip(guard: Guard) -> Callable[..., Any]:
     """Wrapper for sglang's own `maybe_detect_oob` (0.5.13+) as bound in memory_pool:
-    a call under one of our labels is the same check our probe just made, so skip it;
-    every other upstream probe (move_kv_cache, NaN, other modules) runs as before."""
+    inside a method we guard, a call under one of our labels is the check our probe
+    just made, so skip it; every other upstream probe (NaN, Inf, page alignment,
+    other modules, and any call outside our methods) runs as before."""
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         label = args[3] if len(args) > 3 else kwargs.get("msg")
-        if label in labels:
+        if guard.busy and is_site_label(label):
             return None
         return wrapped(*args, **kwargs)
 

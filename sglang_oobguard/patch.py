@@ -1,44 +1,48 @@
-"""Install and uninstall: one pass over `targets.TARGETS` each way, idempotent.
+"""Install and uninstall, idempotent; `coverage` is the same walk, read-only.
 
-`install` wraps each target that resolves on the installed sglang with
-`wrapt.wrap_function_wrapper`, once however often it is called; `uninstall` puts
-the exact original function objects back. `coverage` is the same walk, read-only,
-for the activation log line and `doctor`. While installed, memory_pool's binding of
-upstream's own probe skips the calls that duplicate ours.
+`install` discovers the write methods of every KVCache subclass defined so far and
+wraps each one a rule covers with `wrapt.wrap_function_wrapper`; a hook on KVCache's
+`__init_subclass__` does the same for pool classes that sglang defines later (their
+modules load after the plugin runs). In each pool module, the binding of upstream's
+own probe skips the calls that duplicate ours. `uninstall` puts back the exact
+original objects, hook included.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 from dataclasses import replace
-from typing import Optional, Union
+from types import ModuleType
+from typing import Any, Optional, Union
 
 import wrapt
 
 from . import config as config_mod
+from .discover import Found, Skipped, discover, resolve, write_methods
 from .guard import Guard, make_upstream_skip, make_wrapper
 from .report import Violation, ensure_visible, logger
-from .targets import MEMORY_POOL, TARGETS, UPSTREAM_PROBE, Resolved, Target, is_supported, resolve, version_of_sglang
+from .targets import BASE_CLASS, MEMORY_POOL, UPSTREAM_PROBE, is_supported, version_of_sglang
 
 _guard: Optional[Guard] = None
-_installed: list[Resolved] = []
-_upstream: Optional[tuple[object, object]] = None  # (memory_pool, its original maybe_detect_oob)
+_installed: list[Found] = []
+_upstream: dict[str, tuple[ModuleType, Any]] = {}  # module name -> (module, its maybe_detect_oob)
+_hooked: Optional[tuple[type, Any]] = None  # (KVCache, its own __init_subclass__ or None)
 
 
-def coverage() -> list[tuple[Target, Union[Resolved, str]]]:
-    """Every target with what it resolves to here: a Resolved, or why not."""
-    out: list[tuple[Target, Union[Resolved, str]]] = []
-    modules: dict[str, object] = {}
-    for target in TARGETS:
-        if target.module not in modules:
-            try:
-                modules[target.module] = importlib.import_module(target.module)
-            except ImportError as exc:
-                modules[target.module] = f"{target.module} does not import: {exc}"
-        module = modules[target.module]
-        out.append((target, module if isinstance(module, str) else resolve(target, module)))
-    return out
+def base_class() -> Union[type, str]:
+    """memory_pool's KVCache, or why it cannot be had."""
+    try:
+        return getattr(importlib.import_module(MEMORY_POOL), BASE_CLASS)
+    except (ImportError, AttributeError) as exc:
+        return f"{MEMORY_POOL}.{BASE_CLASS} is not importable: {type(exc).__name__}: {exc}"
+
+
+def coverage() -> Union[list[Union[Found, Skipped]], str]:
+    """Every write method of the pool classes defined so far: Found, or Skipped with why."""
+    base = base_class()
+    return base if isinstance(base, str) else discover(base)
 
 
 def _config_for(mode: Optional[str]) -> config_mod.Config:
@@ -53,8 +57,8 @@ def _config_for(mode: Optional[str]) -> config_mod.Config:
     return replace(env, mode=config_mod.Mode.STRICT)
 
 
-def install(mode: Optional[str] = None) -> tuple[Target, ...]:
-    """Guard every target that fits this sglang; returns the guarded targets."""
+def install(mode: Optional[str] = None) -> tuple[Found, ...]:
+    """Guard every write method that a rule covers on this sglang; returns them."""
     global _guard
     config = _config_for(mode)
     if not config.active:
@@ -62,18 +66,15 @@ def install(mode: Optional[str] = None) -> tuple[Target, ...]:
     _check_backend(config)
     if _guard is not None:  # already installed: same wrappers, new settings
         _guard.configure(config)
-        return tuple(r.target for r in _installed)
+        return tuple(_installed)
     ensure_visible()
-    guard = Guard(config)
-    skipped: list[str] = []
-    for target, found in coverage():
-        if isinstance(found, str):
-            skipped.append(f"{target.qualname} ({found})")
-            continue
-        wrapt.wrap_function_wrapper(found.owner, found.target.method, make_wrapper(found, guard))
-        _installed.append(found)
-    _skip_upstream_duplicates()
-    _guard = guard
+    base = base_class()
+    if isinstance(base, str):
+        logger.warning("sglang_oobguard: nothing guarded: %s", base)
+        return ()
+    _guard = Guard(config)
+    skipped = _guard_classes(discover(base))
+    _hook_new_classes(base)
     version = version_of_sglang()
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s",
                 os.getpid(), config.mode.value, config.backend.value, len(_installed), version)
@@ -81,20 +82,55 @@ def install(mode: Optional[str] = None) -> tuple[Target, ...]:
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped) or "nothing")
-    return tuple(r.target for r in _installed)
+    return tuple(_installed)
 
 
-def _skip_upstream_duplicates() -> None:
-    global _upstream
-    if not _installed:
+def _guard_classes(entries: list[Union[Found, Skipped]]) -> list[str]:
+    """Wrap every Found; returns the Skipped that a reader should know of (a method
+    that raises or does nothing by design is left alone without a word)."""
+    assert _guard is not None
+    skipped = []
+    for entry in entries:
+        if isinstance(entry, Skipped):
+            if not entry.by_design:
+                skipped.append(f"{entry.qualname} ({entry.reason})")
+            continue
+        wrapt.wrap_function_wrapper(entry.owner, entry.method, make_wrapper(entry, _guard))
+        _installed.append(entry)
+        _skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
+    return skipped
+
+
+def _hook_new_classes(base: type) -> None:
+    """Guard each pool class sglang defines from now on, as its class body completes."""
+    global _hooked
+    own = base.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        if own is not None:
+            own.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)
+        if _guard is not None:
+            late = _guard_classes([resolve(cls, name) for name in write_methods(cls)])
+            if late:
+                logger.warning("sglang_oobguard: not guarded: %s", "; ".join(late))
+
+    base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
+    _hooked = (base, own)
+
+
+def _skip_upstream_duplicates(module: Optional[ModuleType]) -> None:
+    """Bind this pool module's `maybe_detect_oob` (0.5.13+) to a wrapper that skips
+    the calls our probe has just made; a module without it is left as it is."""
+    if module is None or module.__name__ in _upstream:
         return
-    module = importlib.import_module(MEMORY_POOL)
-    original = getattr(module, UPSTREAM_PROBE, None)
-    if original is None:  # before 0.5.13: no in-source probe
+    original = module.__dict__.get(UPSTREAM_PROBE)
+    if original is None:
         return
-    wrapt.wrap_function_wrapper(module, UPSTREAM_PROBE,
-                                make_upstream_skip(frozenset(r.target.label for r in _installed)))
-    _upstream = (module, original)
+    assert _guard is not None
+    wrapt.wrap_function_wrapper(module, UPSTREAM_PROBE, make_upstream_skip(_guard))
+    _upstream[module.__name__] = (module, original)
 
 
 def _check_backend(config: config_mod.Config) -> None:
@@ -109,18 +145,24 @@ def _check_backend(config: config_mod.Config) -> None:
 
 
 def uninstall() -> None:
-    """Put every original function object back; a no-op when not installed."""
-    global _guard, _upstream
+    """Put every original object back; a no-op when not installed."""
+    global _guard, _hooked
     for found in _installed:
-        current = found.owner.__dict__.get(found.target.method)
+        current = found.owner.__dict__.get(found.method)
         if getattr(current, "__wrapped__", None) is found.original:
-            setattr(found.owner, found.target.method, found.original)
+            setattr(found.owner, found.method, found.original)
     _installed.clear()
-    if _upstream is not None:
-        module, original = _upstream
-        if getattr(getattr(module, UPSTREAM_PROBE), "__wrapped__", None) is original:
+    for module, original in _upstream.values():
+        if getattr(module.__dict__.get(UPSTREAM_PROBE), "__wrapped__", None) is original:
             setattr(module, UPSTREAM_PROBE, original)
-        _upstream = None
+    _upstream.clear()
+    if _hooked is not None:
+        base, own = _hooked
+        if own is None:
+            del base.__init_subclass__
+        else:
+            base.__init_subclass__ = own  # type: ignore[assignment]
+        _hooked = None
     _guard = None
 
 

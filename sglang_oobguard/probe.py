@@ -26,7 +26,7 @@ class Record(NamedTuple):
 
     total_bad: int  # bad ids, summed over every violating call
     calls: int  # violating calls
-    site: int  # first violation: index into targets.TARGETS
+    site: int  # first violation: its site id (report.site_label names it)
     layer: int  # first violation: layer id (-1 when unknown)
     high: int  # first violation: the exclusive bound
     bad: int  # first violation: bad ids in that call
@@ -53,10 +53,23 @@ def new_record(device: torch.device) -> torch.Tensor:
     return torch.zeros(RECORD_LEN, dtype=torch.int64, device=device)
 
 
-def scan_host(loc: torch.Tensor, high: int) -> Finding | None:
-    """The immediate CPU check: None when every id is in [0, high). Host reads are
-    fine here because `loc` already lives in host memory."""
+def _written(loc: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Which ids of a (rows, cols) `loc` are written: the first lens[row] of each row."""
+    cols = torch.arange(loc.shape[-1], device=loc.device)
+    return (cols[None, :] < lens.to(loc.device, torch.int64)[:, None]).reshape(-1)
+
+
+def scan_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None) -> Finding | None:
+    """The immediate CPU check: None when every written id is in [0, high). Host
+    reads are fine here because `loc` already lives in host memory. With `lens`,
+    only each row's valid prefix is written, and checked."""
     flat = loc if loc.dim() == 1 else loc.reshape(-1)
+    if lens is not None:
+        bad = _written(loc, lens) & ((flat < 0) | (flat >= high))
+        if not bool(bad.any()):
+            return None
+        pos = int(bad.to(torch.uint8).argmax())
+        return Finding(int(bad.sum()), pos, int(flat[pos]))
     if flat.numel() <= _HOST_LIST_MAX:
         ids = flat.tolist()
         if not ids or (min(ids) >= 0 and max(ids) < high):
@@ -70,9 +83,12 @@ def scan_host(loc: torch.Tensor, high: int) -> Finding | None:
     return Finding(int(bad.sum()), pos, int(flat[pos]))
 
 
-def contain_host(loc: torch.Tensor, high: int) -> None:
-    """Redirect bad ids to padding slot 0, in place, as the kernel does."""
-    loc.masked_fill_((loc < 0) | (loc >= high), 0)
+def contain_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None) -> None:
+    """Redirect bad (written) ids to padding slot 0, in place, as the kernel does."""
+    bad = (loc < 0) | (loc >= high)
+    if lens is not None:
+        bad &= _written(loc, lens).reshape(loc.shape)
+    loc.masked_fill_(bad, 0)
 
 
 def read(record: torch.Tensor) -> Record:
@@ -90,21 +106,26 @@ def fold_host(record: torch.Tensor, finding: Finding, site: int, layer: int, hig
     record.copy_(torch.tensor(new, dtype=torch.int64))
 
 
-@triton.jit(do_not_specialize=["n", "high", "site", "layer"])
+@triton.jit(do_not_specialize=["n", "high", "site", "layer", "row_len"])
 def _oob_probe_kernel(
     loc_ptr,
     n,
     stride,
+    lens_ptr,
+    row_len,
+    row_stride,
     high,
     site,
     layer,
     record_ptr,
+    HAS_LENS: tl.constexpr,
     ASSERT: tl.constexpr,
     MESSAGE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One program walks `loc` in BLOCK-wide chunks, keeps per-lane tallies, and
-    reduces once at the end; one launch per guarded write."""
+    reduces once at the end; one launch per guarded write. With HAS_LENS, `loc` is
+    (rows, row_len) and only the first lens[row] ids of each row are written."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     bad_count = tl.zeros([BLOCK], dtype=tl.int64)
     first_pos = tl.full([BLOCK], n, dtype=tl.int64)
@@ -112,14 +133,21 @@ def _oob_probe_kernel(
     for start in range(0, n, BLOCK):
         offs = start + lanes
         inside = offs < n
-        ids = tl.load(loc_ptr + offs * stride, mask=inside, other=0)
+        if HAS_LENS:
+            row = offs // row_len
+            col = offs - row * row_len
+            ptrs = loc_ptr + row * row_stride + col * stride
+            inside = inside & (col < tl.load(lens_ptr + row, mask=inside, other=0))
+        else:
+            ptrs = loc_ptr + offs * stride
+        ids = tl.load(ptrs, mask=inside, other=0)
         wide = ids.to(tl.int64)
         bad = inside & ((wide < 0) | (wide >= high))
         bad_count += bad.to(tl.int64)
         fresh = bad & (first_pos == n)
         first_val = tl.where(fresh, wide, first_val)
         first_pos = tl.where(fresh, offs, first_pos)
-        tl.store(loc_ptr + offs * stride, tl.zeros_like(ids), mask=bad)  # containment
+        tl.store(ptrs, tl.zeros_like(ids), mask=bad)  # containment
     total = tl.sum(bad_count, axis=0)
     pos = tl.min(first_pos, axis=0)
     value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
@@ -143,18 +171,29 @@ def _oob_probe_kernel(
 PROBE_BLOCK = 1024
 
 
-def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Tensor, message: str | None) -> None:
+def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Tensor, message: str | None,
+           lens: torch.Tensor | None = None) -> None:
     """Enqueue the probe for one write. `message` set: a device-side assert with that
-    text fails the process on a violation (strict mode on a GPU)."""
-    flat = loc if loc.dim() == 1 else loc.view(-1)
+    text fails the process on a violation (strict mode on a GPU). `lens`: `loc` is
+    (rows, cols) and row i writes only its first lens[i] ids."""
+    if lens is not None:
+        flat, row_len, row_stride = loc, loc.shape[1], loc.stride(0)
+        stride = loc.stride(1)
+    else:
+        flat = loc if loc.dim() == 1 else loc.view(-1)
+        row_len, row_stride, stride = 1, 0, flat.stride(0)
     _oob_probe_kernel[(1,)](
         flat,
         flat.numel(),
-        flat.stride(0),
+        stride,
+        flat if lens is None else lens,  # unread without HAS_LENS
+        row_len,
+        row_stride,
         high,
         site,
         layer,
         record,
+        HAS_LENS=lens is not None,
         ASSERT=message is not None,
         MESSAGE=message or "",
         BLOCK=PROBE_BLOCK,

@@ -36,6 +36,25 @@ def ensure_visible() -> None:
         logger.setLevel(logging.INFO)
 
 
+# Site ids: a probe record stores an int, the report shows the label it stands for.
+_SITE_LABELS: list[str] = []
+
+
+def site_id(label: str) -> int:
+    """The id of a label, the same for every method that shares it."""
+    if label not in _SITE_LABELS:
+        _SITE_LABELS.append(label)
+    return _SITE_LABELS.index(label)
+
+
+def is_site_label(label: object) -> bool:
+    return label in _SITE_LABELS
+
+
+def site_label(site: int) -> str:
+    return _SITE_LABELS[site] if 0 <= site < len(_SITE_LABELS) else f"site {site}"
+
+
 @dataclass(frozen=True)
 class Violation:
     """One pool's out-of-range write: the first bad call in detail, plus running totals."""

@@ -1,30 +1,47 @@
-"""Targets: the one table of guarded write methods, and how each resolves on the
-installed sglang. The same table drives install, uninstall and the coverage report.
+"""Targets: which KV write methods carry slot ids, where, and against which bound.
+
+One table of rules drives install, uninstall and the coverage report. The classes
+themselves are not listed: `discover` finds them by walking the installed sglang's
+`KVCache` subclasses, and a rule here says how to guard a method it finds:
+
+- `CONTRACT` rules hold for a method name on every pool class: these methods belong
+  to the KVCache interface (or the primary pools) and take ids in the pool's own
+  slot space, which is why upstream checks them all against `size + page_size`;
+- `OWN` rules hold for one (class, method) pair: the index and K-only writes, whose
+  id space was read from each class's source;
+- `LABELS` name the sites upstream's own probe names, with upstream's text, so that
+  its duplicate check can be recognised and skipped.
+
+A write method that no rule covers is not guarded and is named with the reason.
 """
 
 from __future__ import annotations
 
-import inspect
+import re
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
-# Supported versions, declared up front: from the oldest release the CI matrix runs
-# (0.5.10: activated by the .pth hook, having no plugin loader) to the newest one read.
-# A class or method that a release lacks is skipped and named in a log line; outside
-# the range the guard still installs what fits, and the same line says so.
-SUPPORTED = ((0, 5, 10), (0, 5, 23))
-TESTED = ("0.5.10", "0.5.12", "0.5.23")
+# Supported versions, declared up front: the releases the CI matrix runs, oldest to
+# newest. A class or method that a release lacks is skipped and named in a log line;
+# outside the range the guard still installs what fits, and the same line says so.
+SUPPORTED = ((0, 4, 10), (0, 5, 23))
+TESTED = ("0.4.10.post2", "0.5.10", "0.5.12", "0.5.23")
 
 MEMORY_POOL = "sglang.srt.mem_cache.memory_pool"
+BASE_CLASS = "KVCache"  # every KV pool derives from memory_pool.KVCache
 # sglang 0.5.13+'s in-source probe, as memory_pool binds it; its calls under our
-# labels duplicate our probe and are skipped while the guard is installed.
+# labels, made inside a method we guard, duplicate our probe and are skipped.
 UPSTREAM_PROBE = "maybe_detect_oob"
+
+# What discovery calls a KV write method: upstream's names across 0.4.6..0.5.23
+# (set_kv_buffer, set_index_k_scale_buffer, set_key_buffer_fused, set_index_fp4,
+# set_kv_buffer_prefix_valid, move_kv_cache, ...). Private helpers sit behind these.
+WRITE_METHOD = re.compile(r"^(set_\w*(buffer|fused|fp4|index_k)\w*|move_kv_cache)$")
 
 
 @dataclass(frozen=True)
 class Bound:
-    """The exclusive upper bound of a method's slot ids (the lower one is 0)."""
+    """The exclusive upper bound of a parameter's ids (the lower one is 0)."""
 
     rule: str  # how the bound is computed, for logs and `doctor`
     high: Callable[[Any], int]
@@ -40,71 +57,94 @@ def _dcp_token_slots(pool: Any) -> int:
     return (pool.size + pool.page_size) * getattr(pool, "_write_loc_dcp_span", 1)
 
 
+def _npu_index_slots(pool: Any) -> int:
+    # Upstream's own bound for the NPU indexer's raw virtual loc (0.5.23).
+    return pool.index_size + pool.index_page_size * pool.index_page_padding
+
+
 TOKEN_SLOTS = Bound("size + page_size", _token_slots)
 DCP_TOKEN_SLOTS = Bound("(size + page_size) * _write_loc_dcp_span", _dcp_token_slots)
+NPU_INDEX_SLOTS = Bound("index_size + index_page_size * index_page_padding", _npu_index_slots)
 
 
 @dataclass(frozen=True)
-class Target:
-    module: str
-    qualname: str  # "Class.method", as wrapt.wrap_function_wrapper takes it
-    label: str  # upstream's label for the same site
-    bound: Bound
+class Ids:
+    """One parameter that holds slot ids: its position after self, the names it has
+    gone by (checked against the signature, so a changed method is not misread)."""
 
-    @property
-    def class_name(self) -> str:
-        return self.qualname.split(".")[0]
-
-    @property
-    def method(self) -> str:
-        return self.qualname.split(".")[1]
-
-
-TARGETS: tuple[Target, ...] = (
-    Target(MEMORY_POOL, "MHATokenToKVPool.set_kv_buffer", "set_kv_buffer (MHA)", TOKEN_SLOTS),
-    Target(MEMORY_POOL, "MHATokenToKVPoolFP4.set_kv_buffer", "set_kv_buffer (MHA-FP4)", TOKEN_SLOTS),
-    Target(MEMORY_POOL, "MLATokenToKVPool.set_kv_buffer", "set_kv_buffer (MLA)", TOKEN_SLOTS),
-    Target(MEMORY_POOL, "MLATokenToKVPool.set_mla_kv_buffer", "set_mla_kv_buffer (MLA)", DCP_TOKEN_SLOTS),
-    Target(MEMORY_POOL, "MLATokenToKVPoolFP4.set_kv_buffer", "set_kv_buffer (MLA-FP4)", TOKEN_SLOTS),
-    # Upstream does not widen the FP4 MLA bound: that write indexes rows directly.
-    Target(MEMORY_POOL, "MLATokenToKVPoolFP4.set_mla_kv_buffer", "set_mla_kv_buffer (MLA-FP4)", TOKEN_SLOTS),
-)
-
-# A target's position in TARGETS is its site id in the probe's record.
-SITES: dict[Target, int] = {target: site for site, target in enumerate(TARGETS)}
+    position: int
+    names: tuple[str, ...]
+    bound: Bound = TOKEN_SLOTS
+    suffix: str = ""  # set when a method has two id parameters (move_kv_cache)
 
 
 @dataclass(frozen=True)
-class Resolved:
-    """A target as found on the installed sglang: where `loc` and the layer come in."""
-
-    target: Target
-    owner: type
-    original: Callable[..., Any]
-    loc_name: str  # `loc` or `loc_info`, by release; always the 2nd parameter
-    override_index: Optional[int]  # position of `layer_id_override` in *args, if any
-
-    @property
-    def site(self) -> int:
-        return SITES[self.target]
+class Rule:
+    ids: tuple[Ids, ...]
+    layer: Optional[int] = 0  # position of the layer (RadixAttention, or an int id); None: no layer
+    lens: Optional[int] = None  # position of per-row valid lengths: only a prefix of each row is written
 
 
-def resolve(target: Target, module: ModuleType) -> Union[Resolved, str]:
-    """The target on this sglang, or the reason it cannot be guarded here."""
-    owner = getattr(module, target.class_name, None)
-    if not isinstance(owner, type):
-        return f"{target.class_name} is not in this sglang"
-    original = owner.__dict__.get(target.method)
-    if original is None:
-        return f"{target.qualname} is not defined by the class itself (inherited or absent)"
-    original = getattr(original, "__wrapped__", original)  # already wrapped by us
-    if not inspect.isfunction(original):
-        return f"{target.qualname} is a {type(original).__name__}, not a function"
-    params = list(inspect.signature(original).parameters)[1:]  # drop self
-    if len(params) < 2:
-        return f"{target.qualname}{inspect.signature(original)} has no (layer, loc) parameters"
-    override = params.index("layer_id_override") if "layer_id_override" in params else None
-    return Resolved(target, owner, original, params[1], override)
+LOC = Ids(1, ("loc", "loc_info"))
+WRITE = Rule((LOC,))
+
+CONTRACT: dict[str, Rule] = {
+    "set_kv_buffer": WRITE,
+    "set_mla_kv_buffer": WRITE,
+    "move_kv_cache": Rule((Ids(0, ("tgt_loc",), suffix=" tgt_loc"), Ids(1, ("src_loc",), suffix=" src_loc")),
+                          layer=None),
+    # Row i writes loc_2d[i, :commit_lens[i]]; the rest of the row is never read.
+    "set_kv_buffer_prefix_valid": Rule((Ids(1, ("loc_2d",)),), lens=2),
+}
+
+OWN: dict[tuple[str, str], Rule] = {
+    # upstream widens only this MLA write under DCP (0.5.19+)
+    ("MLATokenToKVPool", "set_mla_kv_buffer"): Rule((Ids(1, ("loc", "loc_info"), DCP_TOKEN_SLOTS),)),
+    # index K of NSA/DSA models: token ids, paged inside (page = loc // page_size)
+    ("NSATokenToKVPool", "set_index_k_scale_buffer"): WRITE,
+    ("DSATokenToKVPool", "set_index_k_scale_buffer"): WRITE,
+    ("LayerSplitDSATokenToKVPool", "set_index_k_scale_buffer"): WRITE,
+    ("HybridLinearKVPool", "set_index_k_scale_buffer"): WRITE,  # full-pool ids, passed on as they are
+    ("NPUMLATokenToKVPool", "set_index_k_buffer"): Rule((Ids(1, ("loc",), NPU_INDEX_SLOTS),)),
+    # K-only pools and the MiniMax sparse pools: token ids of the pool (of its main pool)
+    ("MHATokenToKOnlyPool", "set_k_buffer"): WRITE,
+    ("NPUMHATokenToKOnlyPool", "set_k_buffer"): WRITE,
+    ("MiniMaxSparseKVPool", "set_index_kv_buffer"): WRITE,
+    ("MiniMaxSparseKVPool", "set_index_k_buffer"): WRITE,
+    ("MiniMaxSparseKVPool", "set_fused_kv_index_buffer"): WRITE,
+    ("MiniMaxM3Nvfp4KVPool", "set_index_k_buffer"): WRITE,
+    ("MiniMaxM3Nvfp4KVPool", "set_fused_kv_index_buffer"): WRITE,
+    ("MiniMaxM3Nvfp4IndexKPool", "set_k_buffer"): WRITE,
+    ("MiniMaxM3Nvfp4IndexKPool", "set_quantized_k_buffer"): WRITE,
+    ("MiniMaxM3Nvfp4MainKVPool", "set_quantized_kv_buffer"): WRITE,
+}
+
+# Upstream's labels for the sites its own probe checks (0.5.13+); other sites are
+# labelled "method (Class)".
+LABELS: dict[tuple[str, str], str] = {
+    ("MHATokenToKVPool", "set_kv_buffer"): "set_kv_buffer (MHA)",
+    ("MHATokenToKVPoolFP4", "set_kv_buffer"): "set_kv_buffer (MHA-FP4)",
+    ("MHATokenToKVPoolMXFP8", "set_kv_buffer"): "set_kv_buffer (MHA-MXFP8)",
+    ("MLATokenToKVPool", "set_kv_buffer"): "set_kv_buffer (MLA)",
+    ("MLATokenToKVPool", "set_mla_kv_buffer"): "set_mla_kv_buffer (MLA)",
+    ("MLATokenToKVPoolFP4", "set_kv_buffer"): "set_kv_buffer (MLA-FP4)",
+    ("MLATokenToKVPoolFP4", "set_mla_kv_buffer"): "set_mla_kv_buffer (MLA-FP4)",
+    ("LayerSplitDSATokenToKVPool", "set_kv_buffer"): "set_kv_buffer (MLA)",
+    ("LayerSplitDSATokenToKVPool", "set_mla_kv_buffer"): "set_mla_kv_buffer (MLA)",
+    ("MiniMaxM3Nvfp4MainKVPool", "set_kv_buffer"): "set_kv_buffer (MiniMax MSA-v1 NVFP4)",
+    ("MiniMaxM3Nvfp4KVPool", "set_fused_kv_index_buffer"): "set_fused_kv_index_buffer (MiniMax MSA-v1 NVFP4)",
+    ("NPUMLATokenToKVPool", "set_index_k_buffer"): "set_index_k_buffer (NPU MLA, raw virtual loc)",
+}
+
+
+def rule_for(class_name: str, method: str) -> Optional[Rule]:
+    return OWN.get((class_name, method)) or CONTRACT.get(method)
+
+
+def label_for(class_name: str, method: str, ids: Ids) -> str:
+    if method == "move_kv_cache":  # upstream's text, the same in every pool
+        return f"move_kv_cache{ids.suffix}"
+    return LABELS.get((class_name, method), f"{method} ({class_name})")
 
 
 def version_of_sglang() -> str:

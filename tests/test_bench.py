@@ -24,7 +24,7 @@ def test_cpu_benchmark_prints_every_row():
         assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x", out, re.M), out
     assert re.search(r"load\(\) takes [\d.]+ us", out)
     assert "Modules imported beyond the standard library: sglang_oobguard, sglang_oobguard.plugin." in out
-    assert "6 of 6 guarded methods are the original function objects" in out
+    assert re.search(r"load_plugins\(\): ([1-9]\d*) of \1 write methods are the original function objects", out), out
     assert re.search(r"the .pth hook at interpreter start: -?[\d.]+ us", out)
 
 

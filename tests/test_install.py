@@ -6,37 +6,40 @@ import pytest
 
 import sglang_oobguard
 from sglang_oobguard.config import ConfigError
+from sglang_oobguard.discover import Found
 from sglang_oobguard.patch import coverage
-from sglang_oobguard.targets import TARGETS
 
 
 def originals(mp):
-    return {t.qualname: getattr(mp, t.class_name).__dict__[t.method] for t in TARGETS}
+    """Every write method of every pool class, as the classes hold them now."""
+    return {(e.owner, e.method): e.owner.__dict__[e.method] for e in coverage()}
 
 
 def test_install_is_idempotent_and_uninstall_restores_identity(mp):
     before = originals(mp)
     first = sglang_oobguard.install("strict")
-    assert sglang_oobguard.install("warn") == first  # settings change, wrappers do not
+    assert first and sglang_oobguard.install("warn") == first  # settings change, wrappers do not
     assert sglang_oobguard.install() == first
-    for target in TARGETS:
-        wrapped = getattr(mp, target.class_name).__dict__[target.method]
-        assert wrapped is not before[target.qualname]
-        assert wrapped.__wrapped__ is before[target.qualname]  # exactly one layer
+    for found in first:
+        wrapped = found.owner.__dict__[found.method]
+        assert wrapped is not before[found.owner, found.method]
+        assert wrapped.__wrapped__ is before[found.owner, found.method]  # exactly one layer
+    assert "__init_subclass__" in mp.KVCache.__dict__  # the hook for pool classes defined later
     assert sglang_oobguard.is_installed()
     sglang_oobguard.uninstall()
     sglang_oobguard.uninstall()
     assert not sglang_oobguard.is_installed()
-    assert originals(mp) == before and all(originals(mp)[q] is f for q, f in before.items())
+    assert "__init_subclass__" not in mp.KVCache.__dict__
+    after = originals(mp)
+    assert after.keys() == before.keys() and all(after[k] is f for k, f in before.items())
 
 
 def test_reinstall_after_uninstall_wraps_once_again(mp):
     before = originals(mp)
     sglang_oobguard.install("raise")
     sglang_oobguard.uninstall()
-    sglang_oobguard.install("raise")
-    for target in TARGETS:
-        assert getattr(mp, target.class_name).__dict__[target.method].__wrapped__ is before[target.qualname]
+    for found in sglang_oobguard.install("raise"):
+        assert found.owner.__dict__[found.method].__wrapped__ is before[found.owner, found.method]
 
 
 def test_install_with_mode_off_in_the_environment_patches_nothing(mp, monkeypatch):
@@ -64,15 +67,12 @@ def test_triton_backend_without_gpu_or_interpreter_is_refused(mp, monkeypatch):
     assert not sglang_oobguard.is_installed()
 
 
-def test_wrap_only_where_the_class_itself_defines_the_method(mp, monkeypatch):
-    from sglang_oobguard.targets import resolve
-
-    fp4 = next(t for t in TARGETS if t.qualname == "MHATokenToKVPoolFP4.set_kv_buffer")
-    monkeypatch.delattr(mp.MHATokenToKVPoolFP4, "set_kv_buffer")
-    assert "not defined by the class itself" in resolve(fp4, mp)
-
-
-def test_coverage_names_every_target(mp):
-    rows = coverage()
-    assert [t for t, _ in rows] == list(TARGETS)
-    assert all(not isinstance(found, str) for _, found in rows)
+def test_coverage_guards_the_six_upstream_sites_and_inherits_nothing(mp):
+    found = {(e.owner.__name__, e.method) for e in coverage() if isinstance(e, Found)}
+    six = {("MHATokenToKVPool", "set_kv_buffer"), ("MHATokenToKVPoolFP4", "set_kv_buffer"),
+           ("MLATokenToKVPool", "set_kv_buffer"), ("MLATokenToKVPool", "set_mla_kv_buffer"),
+           ("MLATokenToKVPoolFP4", "set_kv_buffer"), ("MLATokenToKVPoolFP4", "set_mla_kv_buffer")}
+    here = {pair for pair in six if hasattr(mp, pair[0])}  # FP4 pools arrived in 0.5.8
+    assert ("MHATokenToKVPool", "set_kv_buffer") in here and here <= found
+    for entry in coverage():  # only what a class defines itself: inherited methods are guarded once, at home
+        assert entry.method in entry.owner.__dict__

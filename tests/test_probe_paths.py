@@ -69,3 +69,37 @@ def test_block_edges_find_the_last_id(n):
     got = probe.read(record)
     assert (got.bad, got.pos, got.value, got.numel) == (1, n - 1, 10, n)
     assert probe.scan_host(torch.tensor([0] * (n - 1) + [10]), 10) == probe.Finding(1, n - 1, 10)
+
+
+rows = st.integers(1, 600).flatmap(
+    lambda high: st.tuples(
+        st.just(high),
+        st.integers(1, 40).flatmap(lambda cols: st.lists(
+            st.tuples(st.lists(st.integers(-3, high + 3), min_size=cols, max_size=cols), st.integers(0, cols)),
+            min_size=1, max_size=40)),
+        st.sampled_from([torch.int32, torch.int64]),
+    )
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows)
+def test_prefix_valid_rows_check_only_the_written_prefix(case):
+    """set_kv_buffer_prefix_valid writes loc_2d[i, :lens[i]]: both paths check exactly
+    those ids (the rest of a row may hold anything) and contain only those."""
+    high, batch, dtype = case
+    loc = torch.tensor([ids for ids, _ in batch], dtype=dtype)
+    lens = torch.tensor([n for _, n in batch], dtype=torch.int32)
+    want = oracle([v if j < n else 0 for ids, n in batch for j, v in enumerate(ids)], high)  # tails: a valid 0
+    a, b = loc.clone(), loc.clone()
+    found = probe.scan_host(a, high, lens)
+    record = probe.new_record("cpu")
+    probe.launch(b, high, 3, 1, record, None, lens)
+    assert (None if found is None else tuple(found)) == want
+    got = probe.read(record)
+    assert ((got.bad, got.pos, got.value) if got.calls else None) == want
+    probe.contain_host(a, high, lens)
+    assert torch.equal(a, b)
+    for i, (ids, n) in enumerate(batch):  # unwritten tails untouched, written prefixes in range
+        assert b[i, n:].tolist() == ids[n:]
+        assert all(0 <= v < high for v in b[i, :n].tolist())

@@ -1,21 +1,42 @@
-"""The target table and version gate, without sglang."""
+"""The rule table and version gate, without sglang; then the install-time log lines."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_oobguard.targets import SITES, TARGETS, is_supported
+from sglang_oobguard.targets import CONTRACT, DCP_TOKEN_SLOTS, OWN, TOKEN_SLOTS, WRITE_METHOD, is_supported, label_for, rule_for
 
 
-def test_table_holds_the_six_upstream_labels_once_each():
-    assert [t.label for t in TARGETS] == [
-        "set_kv_buffer (MHA)", "set_kv_buffer (MHA-FP4)", "set_kv_buffer (MLA)", "set_mla_kv_buffer (MLA)",
-        "set_kv_buffer (MLA-FP4)", "set_mla_kv_buffer (MLA-FP4)"]
-    assert [SITES[t] for t in TARGETS] == list(range(6))
+@pytest.mark.parametrize("name", ["set_kv_buffer", "set_mla_kv_buffer", "move_kv_cache", "set_kv_buffer_prefix_valid",
+                                  "set_index_k_scale_buffer", "set_index_k_and_scale_buffer", "set_k_buffer",
+                                  "set_key_buffer_fused", "set_swa_key_buffer_radix", "set_index_fp4",
+                                  "set_index_fused", "set_index_k_scale", "set_quantized_kv_buffer",
+                                  "set_qsa_rope_position_buffer"])
+def test_write_method_names_across_releases_are_recognised(name):
+    assert WRITE_METHOD.match(name)
+
+
+@pytest.mark.parametrize("name", ["set_swa_loc", "_set_kv_buffer_impl", "get_kv_buffer", "move_kv_cache_native",
+                                  "set_layer_transfer_counter"])
+def test_other_names_are_not_write_methods(name):
+    assert WRITE_METHOD.match(name) is None
+
+
+def test_rules_own_beats_contract_and_labels_follow_upstream():
+    assert rule_for("MLATokenToKVPool", "set_mla_kv_buffer").ids[0].bound is DCP_TOKEN_SLOTS
+    assert rule_for("MLATokenToKVPoolFP4", "set_mla_kv_buffer").ids[0].bound is TOKEN_SLOTS  # upstream: no widening
+    assert rule_for("AnyPool", "set_kv_buffer") is CONTRACT["set_kv_buffer"]
+    assert rule_for("DeepSeekV4SingleKVPool", "set_key_buffer") is None  # no rule: not guarded
+    move = rule_for("MHATokenToKVPool", "move_kv_cache")
+    assert [label_for("MHATokenToKVPool", "move_kv_cache", ids) for ids in move.ids] == [
+        "move_kv_cache tgt_loc", "move_kv_cache src_loc"]
+    assert label_for("MHATokenToKVPool", "set_kv_buffer", CONTRACT["set_kv_buffer"].ids[0]) == "set_kv_buffer (MHA)"
+    assert label_for("SWAKVPool", "set_kv_buffer", CONTRACT["set_kv_buffer"].ids[0]) == "set_kv_buffer (SWAKVPool)"
+    assert all(rule.ids for rule in [*CONTRACT.values(), *OWN.values()])
 
 
 @pytest.mark.parametrize("version,ok", [("0.5.23", True), ("0.5.10", True), ("0.5.13.post1", True),
-                                        ("0.5.9", False), ("0.4.10.post2", False), ("0.5.24", False),
+                                        ("0.4.10.post2", True), ("0.4.9", False), ("0.5.24", False),
                                         ("unknown", False), ("0.6.0rc1", False)])
 def test_declared_support(version, ok):
     assert is_supported(version) is ok
@@ -27,18 +48,6 @@ def test_unsupported_version_still_installs_and_says_so(mp, monkeypatch, caplog)
 
     monkeypatch.setattr(patch, "version_of_sglang", lambda: "0.9.0")
     caplog.set_level("INFO", logger="sglang_oobguard")
-    assert len(sglang_oobguard.install("strict")) == 6
+    assert sglang_oobguard.install("strict")
     lines = [r.getMessage() for r in caplog.records if r.name == "sglang_oobguard"]
-    assert any("sglang 0.9.0 is outside the supported range; not guarded: nothing" in line for line in lines)
-
-
-def test_missing_class_is_skipped_and_named(mp, monkeypatch, caplog):
-    import sglang_oobguard
-
-    monkeypatch.delattr(mp, "MHATokenToKVPoolFP4")
-    caplog.set_level("INFO", logger="sglang_oobguard")
-    targets = sglang_oobguard.install("strict")
-    assert len(targets) == 5 and "set_kv_buffer (MHA-FP4)" not in {t.label for t in targets}
-    lines = [r.getMessage() for r in caplog.records if r.name == "sglang_oobguard"]
-    assert any("not guarded: MHATokenToKVPoolFP4.set_kv_buffer (MHATokenToKVPoolFP4 is not in this sglang)" in line
-               for line in lines), lines
+    assert any("sglang 0.9.0 is outside the supported range; not guarded:" in line for line in lines), lines

@@ -1,6 +1,6 @@
 """sglang 0.5.13+ runs its own probe inside the methods we guard when
 SGLANG_ENABLE_ASYNC_ASSERT is set: the same check twice. While installed, the guard
-skips upstream's copy under our six labels and leaves every other probe alone."""
+skips upstream's copy inside the methods it guards and leaves every other probe alone."""
 
 from __future__ import annotations
 
@@ -16,19 +16,29 @@ def upstream_probe(mp):
     needs(mp, "maybe_detect_oob", "0.5.13")
 
 
-def test_duplicates_skipped_others_untouched_and_restored(mp, monkeypatch):
+def test_duplicates_skipped_inside_our_methods_only_and_restored(mp, monkeypatch):
+    from sglang.srt.mem_cache import dsa_cache_layer_split  # a second pool module that binds the probe
     from sglang.srt.utils import async_probe
 
     monkeypatch.setenv("SGLANG_ENABLE_ASYNC_ASSERT", "1")
-    assert mp.maybe_detect_oob is async_probe.maybe_detect_oob
+    original = async_probe.maybe_detect_oob
+    assert mp.maybe_detect_oob is original and dsa_cache_layer_split.maybe_detect_oob is original
     sglang_oobguard.install("warn")
+    assert mp.maybe_detect_oob.__wrapped__ is original
+    assert dsa_cache_layer_split.maybe_detect_oob.__wrapped__ is original
     bad = torch.tensor([99])
-    for target in sglang_oobguard.install():
-        assert mp.maybe_detect_oob(bad, 0, 65, target.label) is None
-    with pytest.raises(RuntimeError, match="out of range"):
-        mp.maybe_detect_oob(bad, 0, 65, "move_kv_cache tgt_loc")
+    with pytest.raises(RuntimeError, match="out of range"):  # outside our methods: upstream's probe runs
+        mp.maybe_detect_oob(bad, 0, 65, "set_kv_buffer (MHA)")
+    asserts = []
+    real_assert = torch._assert_async
+    monkeypatch.setattr(torch, "_assert_async", lambda *a, **k: (asserts.append(a[-1]), real_assert(*a, **k)))
+    k = torch.zeros(1, 2, 4)
+    mha(mp).set_kv_buffer(Layer(0), torch.tensor([7]), k, k)
+    assert asserts == []  # inside: upstream's duplicate (two asserts, 4-6 launches on a GPU) skipped
     sglang_oobguard.uninstall()
-    assert mp.maybe_detect_oob is async_probe.maybe_detect_oob
+    mha(mp).set_kv_buffer(Layer(0), torch.tensor([7]), k, k)
+    assert len(asserts) == 2  # restored: upstream's low and high asserts run again
+    assert mp.maybe_detect_oob is original and dsa_cache_layer_split.maybe_detect_oob is original
 
 
 def test_upstream_probe_alone_kills_the_write_and_names_nothing(mp, monkeypatch):
