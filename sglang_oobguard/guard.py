@@ -65,28 +65,6 @@ class Guard:
 
     # -- the hot path ---------------------------------------------------------
 
-    def call(self, found: Found, wrapped: Callable[..., Any], pool: Any, args: tuple, kwargs: dict) -> Any:
-        """One guarded call: probe each id parameter of `found`, then write."""
-        key = (id(pool), found.method)
-        outer = self.busy.get(key)
-        head = _arg(args, kwargs, found.rule.ids[0].position, found.id_names[0])
-        if outer is not None and outer is head:  # super() with the same ids: probed already
-            return wrapped(*args, **kwargs)
-        self.busy[key] = head
-        try:
-            for number, ids in enumerate(found.rule.ids):
-                value = head if number == 0 else _arg(args, kwargs, ids.position, found.id_names[number])
-                loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
-                if loc is not None:
-                    lens = None if found.rule.lens is None else _arg(args, kwargs, found.rule.lens, "commit_lens")
-                    self.check_write(pool, found.sites[number], loc, ids.bound.high(pool), (args, kwargs, found), lens)
-            return wrapped(*args, **kwargs)
-        finally:
-            if outer is None:
-                del self.busy[key]
-            else:
-                self.busy[key] = outer
-
     def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, call: Call,
                     lens: Optional[torch.Tensor] = None) -> None:
         """Probe one write. `call` is read for the layer id only when it is needed.
@@ -177,11 +155,37 @@ class Guard:
 
 
 def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
-    """The wrapt wrapper for one found method; the caller's objects pass on unchanged
-    (a KVWriteLoc stays a KVWriteLoc: 0.5.22+ unified pools require the original)."""
+    """The wrapt wrapper for one found method: probe each id parameter, then write.
+    The caller's objects pass on unchanged (a KVWriteLoc stays a KVWriteLoc: 0.5.22+
+    unified pools require the original). A nested call on the same pool and method
+    with the same ids object, i.e. a super() call, is not probed again."""
+    method = found.method
+    specs = tuple((ids.position, name, ids.bound.high, site)
+                  for ids, name, site in zip(found.rule.ids, found.id_names, found.sites))
+    head_at, head_name = specs[0][0], specs[0][1]
+    lens_at = found.rule.lens
+    busy, check = guard.busy, guard.check_write
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        return guard.call(found, wrapped, instance, args, kwargs)
+        key = (id(instance), method)
+        head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
+        outer = busy.get(key)
+        if outer is not None and outer is head:
+            return wrapped(*args, **kwargs)
+        busy[key] = head
+        try:
+            lens = None if lens_at is None else _arg(args, kwargs, lens_at, "commit_lens")
+            for position, name, high, site in specs:
+                value = args[position] if len(args) > position else kwargs.get(name)
+                loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
+                if loc is not None:
+                    check(instance, site, loc, high(instance), (args, kwargs, found), lens)
+            return wrapped(*args, **kwargs)
+        finally:
+            if outer is None:
+                del busy[key]
+            else:
+                busy[key] = outer
 
     return wrapper
 
