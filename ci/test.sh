@@ -12,8 +12,10 @@ for version in $matrix; do
   echo "=== sglang $version ($venv)"
   if [[ "$version" == 0.5.23 ]]; then
     "$venv/bin/python" -m pytest "$@"
-  else  # older releases import sgl_kernel on the CPU write path: the test-only stand-in
-    PYTHONPATH="$root/tests/e2e/sgl_kernel_standin${PYTHONPATH:+:$PYTHONPATH}" \
+  else  # older releases import sgl_kernel (0.4.x also vllm) on the CPU write path: test-only stand-ins
+    standins="$root/tests/standins"
+    [[ "$version" == 0.4.* ]] && standins="$standins:$root/tests/standins/releases-0.4"
+    PYTHONPATH="$standins${PYTHONPATH:+:$PYTHONPATH}" \
       "$venv/bin/python" -m pytest -m "not e2e" --ignore=tests/test_bench.py "$@"
   fi
 done

@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
 
 from helpers import GUARD_VARS  # noqa: E402
 
+if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
+    # sglang 0.4.x (built for torch 2.7) asks torch._C._cpu for this check; torch 2.14.1,
+    # the torch of every cell here, moved it to torch.cpu. Same function, old name.
+    torch._C._cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported
+
 
 @pytest.fixture(scope="session")
 def mp():

@@ -19,7 +19,7 @@ from typing import Optional
 from helpers import GUARD_VARS
 
 HERE = Path(__file__).resolve().parent
-STANDIN = HERE / "sgl_kernel_standin"
+STANDIN = HERE.parent / "standins"
 CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "TRITON_INTERPRET", "SGLANG_PLUGINS")
 
 
