@@ -90,3 +90,26 @@ def test_the_wheel_ships_it_at_the_root(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read("sglang_oobguard.pth").decode() == PTH.read_text()
         assert "sglang_oobguard/autoload.py" in archive.namelist()
+
+
+LATE = """
+import json, site
+site.addsitedir({site_dir!r})
+from sglang.srt.mem_cache import memory_pool  # the hook installs here
+from sglang_oobguard.discover import Found, import_pool_modules
+from sglang_oobguard.patch import coverage
+import_pool_modules()  # pool modules sglang loads later: SWA, DSA layer-split, HiSparse, ...
+found = [e for e in coverage() if isinstance(e, Found)]
+once = [e.qualname for e in found if hasattr(e.owner.__dict__[e.method], "__wrapped__")
+        and not hasattr(e.owner.__dict__[e.method].__wrapped__, "__wrapped__")]
+print(json.dumps({{"found": len(found), "modules": len({{e.owner.__module__ for e in found}}), "once": len(once)}}))
+"""
+
+
+def test_pool_classes_defined_after_the_hook_are_guarded_once(site_dir):
+    proc = run_python(LATE.format(site_dir=site_dir), {"SGLANG_ENABLE_ASYNC_ASSERT": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["found"] >= 3 and got["once"] == got["found"]
+    if importlib.util.find_spec("sglang.srt.mem_cache.swa_memory_pool"):  # 0.5.8+: pools beyond memory_pool
+        assert got["modules"] > 1
