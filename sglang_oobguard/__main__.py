@@ -9,8 +9,8 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_oobguard")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a stale slot id in a real sglang KV pool, unguarded then guarded")
-    demo.add_argument("--engine", action="store_true", help="the same story in the real sglang Engine (~2 min)")
+    demo_cmd = sub.add_parser("demo", help="a stale slot id in a real sglang KV pool, unguarded then guarded")
+    demo_cmd.add_argument("--engine", action="store_true", help="the same story in the real sglang Engine (~2 min)")
     sub.add_parser("doctor", help="what the guard covers on the installed sglang")
     args = parser.parse_args(argv)
     if args.command == "demo":

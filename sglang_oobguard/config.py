@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, TypeVar
 
 
 class ConfigError(ValueError):
@@ -71,7 +71,10 @@ def _get(env: Mapping[str, str], name: str) -> Optional[str]:
     return value if value else None
 
 
-def _choice(env: Mapping[str, str], name: str, kind: type[enum.Enum]) -> Optional[enum.Enum]:
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _choice(env: Mapping[str, str], name: str, kind: type[E]) -> Optional[E]:
     raw = _get(env, name)
     if raw is None:
         return None

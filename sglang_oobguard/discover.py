@@ -60,6 +60,7 @@ def pool_classes(base: type) -> list[type]:
 
     def walk(cls: type) -> Iterator[type]:
         yield cls
+        sub: type
         for sub in cls.__subclasses__():
             yield from walk(sub)
 
@@ -110,8 +111,9 @@ def _by_design(function: Callable[..., Any]) -> str:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):
         return ""
-    body = [s for s in tree.body[0].body
-            if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]  # type: ignore[attr-defined]
+    definition = tree.body[0]
+    assert isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef))
+    body = [s for s in definition.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     if len(body) != 1:
         return ""
     statement = body[0]

@@ -8,7 +8,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from . import config
-from .discover import Found, import_pool_modules
+from .discover import Found, Skipped, import_pool_modules
 from .patch import coverage
 from .report import site_label
 from .targets import SUPPORTED, TESTED, is_supported, version_of_sglang
@@ -47,12 +47,12 @@ def run() -> int:
         for ids, name, number in zip(entry.rule.ids, entry.id_names, entry.sites):
             print(f"  {entry.qualname:48} {site_label(number):50} {name} "
                   f"in [0, {ids.bound.rule})" + (", valid prefix of each row" if entry.rule.lens else ""))
-    skipped = [e for e in entries if not isinstance(e, Found)]
+    skipped = [e for e in entries if isinstance(e, Skipped)]
     for title, design in (("not guarded", False), ("left alone (writes nothing)", True)):
         rows = [e for e in skipped if e.by_design is design]
         print(f"{title}:" + ("" if rows else " none"))
-        for entry in rows:
-            print(f"  {entry.qualname:48} {entry.reason}")
+        for row in rows:
+            print(f"  {row.qualname:48} {row.reason}")
     if unimported:
         print("pool modules that do not import here (their classes are not listed):")
         for module, why in unimported.items():

@@ -201,7 +201,7 @@ def _layer_id(args: tuple, kwargs: dict, found: Found) -> int:
     override = args[at] if at is not None and len(args) > at else kwargs.get("layer_id_override")
     if override is not None:
         return int(override)
-    if found.layer_name is None:
+    if found.layer_name is None or found.rule.layer is None:
         return -1
     layer = _arg(args, kwargs, found.rule.layer, found.layer_name)
     layer_id = layer if isinstance(layer, int) else getattr(layer, "layer_id", None)

@@ -106,11 +106,11 @@ def _hook_new_classes(base: type) -> None:
     global _hooked
     own = base.__dict__.get("__init_subclass__")
 
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+    def __init_subclass__(cls: Any, **kwargs: Any) -> None:
         if own is not None:
             own.__func__(cls, **kwargs)
         else:
-            super(base, cls).__init_subclass__(**kwargs)
+            super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]  # base is a class
         if _guard is not None:
             late = _guard_classes([resolve(cls, name) for name in write_methods(cls)])
             if late:
