@@ -49,10 +49,10 @@ class Guard:
         self.reporter = Reporter(config.warn_interval_s)
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self._messages: dict[tuple[int, int], str] = {}
-        # (id(pool), method) -> the ids object being probed there: a nested call on the
-        # same pool and method with the same object (a super() call) is not probed again.
-        # Non-empty means "inside a guarded method", where upstream's duplicate is skipped.
-        self.busy: dict[tuple[int, str], Any] = {}
+        # The guarded call in progress, innermost: (pool, method, ids object), or None.
+        # A nested call on the same pool and method with the same ids object (a super()
+        # call) is not probed again; inside any, upstream's duplicate probe is skipped.
+        self.current: Optional[tuple[Any, str, Any]] = None
         self.configure(config)
 
     def configure(self, config: Config) -> None:
@@ -164,15 +164,14 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                   for ids, name, site in zip(found.rule.ids, found.id_names, found.sites))
     head_at, head_name = specs[0][0], specs[0][1]
     lens_at = found.rule.lens
-    busy, check = guard.busy, guard.check_write
+    check = guard.check_write
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        key = (id(instance), method)
         head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
-        outer = busy.get(key)
-        if outer is not None and outer is head:
+        outer = guard.current
+        if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
-        busy[key] = head
+        guard.current = (instance, method, head)
         try:
             lens = None if lens_at is None else _arg(args, kwargs, lens_at, "commit_lens")
             for position, name, high, site in specs:
@@ -182,10 +181,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     check(instance, site, loc, high(instance), (args, kwargs, found), lens)
             return wrapped(*args, **kwargs)
         finally:
-            if outer is None:
-                del busy[key]
-            else:
-                busy[key] = outer
+            guard.current = outer
 
     return wrapper
 
@@ -216,7 +212,7 @@ def make_upstream_skip(guard: Guard) -> Callable[..., Any]:
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         label = args[3] if len(args) > 3 else kwargs.get("msg")
-        if guard.busy and is_site_label(label):
+        if guard.current is not None and is_site_label(label):
             return None
         return wrapped(*args, **kwargs)
 
