@@ -46,6 +46,7 @@ MODE_VAR = "SGLANG_OOBGUARD_MODE"
 BACKEND_VAR = "SGLANG_OOBGUARD_BACKEND"
 POLL_VAR = "SGLANG_OOBGUARD_POLL_EVERY"
 WARN_INTERVAL_VAR = "SGLANG_OOBGUARD_WARN_INTERVAL_S"
+LIVENESS_VAR = "SGLANG_OOBGUARD_LIVENESS"
 
 # sglang's EnvBool rules (sglang/srt/environ.py), any case.
 _TRUE = ("true", "1", "yes", "y")
@@ -59,6 +60,7 @@ class Config:
     backend: Backend = Backend.AUTO
     poll_every: int = 16  # deferred path: guarded calls between two record read-backs
     warn_interval_s: float = 10.0  # warn mode: seconds between two running-total lines
+    liveness: bool = False  # also check that written and freed slots are allocated (README, "Liveness")
 
     @property
     def active(self) -> bool:
@@ -102,21 +104,29 @@ def parse_mode(value: Optional[str]) -> Optional[Mode]:
     return None if value is None else _choice({"mode": str(value)}, "mode", Mode)
 
 
-def from_env(env: Optional[Mapping[str, str]] = None) -> Config:
-    """Read the guard's configuration; every invalid value raises ConfigError."""
+def _bool(env: Mapping[str, str], name: str) -> bool:
+    raw = _get(env, name)
+    if raw is not None and raw.lower() not in _TRUE + _FALSE:
+        raise ConfigError(name, raw, "/".join(_TRUE + _FALSE) + " (any case)")
+    return raw is not None and raw.lower() in _TRUE
+
+
+def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = None,
+             default: Mode = Mode.OFF) -> Config:
+    """Read the guard's configuration; every invalid value raises ConfigError.
+    `mode` (install()'s argument) wins over the environment; `default` is the mode
+    when neither asks for one."""
     env = os.environ if env is None else env
 
-    raw_enable = _get(env, ENABLE_VAR)
-    if raw_enable is not None and raw_enable.lower() not in _TRUE + _FALSE:
-        raise ConfigError(ENABLE_VAR, raw_enable, "/".join(_TRUE + _FALSE) + " (any case)")
-    enabled = raw_enable is not None and raw_enable.lower() in _TRUE
+    enabled = _bool(env, ENABLE_VAR)
+    liveness = _bool(env, LIVENESS_VAR)
 
     raw_level = _get(env, INVARIANT_VAR)
     if raw_level is not None and raw_level not in _INVARIANT_MODES:
         raise ConfigError(INVARIANT_VAR, raw_level, "0 | 1 | 2")
     level_mode = _INVARIANT_MODES.get(raw_level) if raw_level is not None else None
 
-    explicit = _choice(env, MODE_VAR, Mode)
+    explicit = mode or _choice(env, MODE_VAR, Mode)
     backend = _choice(env, BACKEND_VAR, Backend) or Backend.AUTO
     poll_every = _number(env, POLL_VAR, int, Config.poll_every, 1)
     warn_interval = _number(env, WARN_INTERVAL_VAR, float, Config.warn_interval_s, 0.0)
@@ -128,5 +138,9 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> Config:
     elif enabled:
         mode = Mode.STRICT
     else:
-        mode = Mode.OFF
-    return Config(mode, backend, poll_every, warn_interval)
+        mode = default
+    if liveness and mode is Mode.OFF and explicit is not Mode.OFF:
+        # asked for the deeper check with the guard itself off: never run unguarded quietly
+        raise ConfigError(LIVENESS_VAR, _get(env, LIVENESS_VAR) or "", "0, or set it with the guard on "
+                          f"({ENABLE_VAR}=1 or {MODE_VAR}=strict|raise|warn)")
+    return Config(mode, backend, poll_every, warn_interval, liveness and mode is not Mode.OFF)

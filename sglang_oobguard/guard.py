@@ -4,7 +4,8 @@ The hot path reads `loc` out of the call, picks the probe (the host scan for CPU
 tensors, the fused kernel otherwise) and hands the write on with the caller's own
 objects. Each pool carries a `PoolState`: its probe record, allocated once, and on
 a GPU a pinned host mirror that is refreshed without a sync and read only after
-its copy has finished.
+its copy has finished. With liveness on, a pool whose allocator is tracked also
+carries its liveness shadow there (`liveness` keeps it; `check_free` checks frees).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from . import probe
 from .config import Backend, Config, Mode
 from .discover import Found
-from .report import Reporter, Violation, is_site_label, site_label
+from .targets import TOKEN_SLOTS
+from .report import Reporter, Violation, free_param, is_site_label, site_label
 
 STATE_ATTR = "_oobguard_state"
 Call = tuple  # (args, kwargs, the Found being called): read for the layer id only when needed
@@ -40,6 +42,8 @@ class PoolState:
         self.pending = False  # a mirror copy was enqueued and not read yet
         self.reported = 0  # violating calls already reported
         self.since_poll = 0
+        self.live: Optional[probe.Live] = None  # the liveness shadow, when an allocator is tracked
+        self.live_high = 0  # the token-id bound the shadow covers
 
 
 class Guard:
@@ -53,45 +57,89 @@ class Guard:
         # A nested call on the same pool and method with the same ids object (a super()
         # call) is not probed again; inside any, upstream's duplicate probe is skipped.
         self.current: Optional[tuple[Any, str, Any]] = None
+        # The allocator call in progress that checks frees: (allocator, role family);
+        # a nested one of the same family (free_page_ids calling free) is not counted twice.
+        self.freeing: Optional[tuple[Any, str]] = None
         self.configure(config)
 
     def configure(self, config: Config) -> None:
         """New settings for the same wrappers (a second install())."""
         self.config = config
         self.strict = config.mode is Mode.STRICT
+        self.liveness = config.liveness
         self.scan_cpu = config.backend is not Backend.TRITON
         self.scan_gpu = config.backend is Backend.TORCH
         self.reporter.warn_interval_s = config.warn_interval_s
 
     # -- the hot path ---------------------------------------------------------
 
+    def _on_host(self, ids: torch.Tensor) -> bool:
+        """The host scan serves CPU tensors (backend auto or torch), and CUDA tensors
+        only when asked (torch) and not while a CUDA graph is captured."""
+        if ids.is_cuda:
+            return self.scan_gpu and not torch.cuda.is_current_stream_capturing()
+        return self.scan_cpu
+
     def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, call: Call,
-                    lens: Optional[torch.Tensor] = None) -> None:
+                    lens: Optional[torch.Tensor] = None, in_slots: bool = False) -> None:
         """Probe one write. `call` is read for the layer id only when it is needed.
-        The host scan serves CPU tensors (backend auto or torch), and CUDA tensors only
-        when asked (torch) and not while a CUDA graph is captured."""
-        if loc.is_cuda:
-            host = self.scan_gpu and not torch.cuda.is_current_stream_capturing()
-        else:
-            host = self.scan_cpu
-        if host:
-            finding = probe.scan_host(loc, high, lens)
+        `in_slots`: the ids are the pool's token slots, which the liveness shadow
+        (when there is one) also checks."""
+        live = None
+        if in_slots and self.liveness:
+            state = pool.__dict__.get(STATE_ATTR)
+            live = None if state is None else state.live
+        if self._on_host(loc):
+            finding = probe.scan_host(loc, high, lens, live)
             if finding is not None:
-                self._on_host_finding(self._state(pool, loc), finding, site, _layer_id(*call), high, loc, lens)
+                self._on_host_finding(self._state(pool, loc.device), finding, site, _layer_id(*call), high, loc.numel())
+                probe.contain_host(loc, high, lens, live)  # warn mode: the others raised
             return
         if not loc.numel():
             return
-        state = self._state(pool, loc)
+        state = self._state(pool, loc.device)
         strict_gpu = self.strict and loc.is_cuda
         probe.launch(loc, high, site, _layer_id(*call), state.record, self._message(site, high) if strict_gpu else None,
-                     lens)
+                     lens, live)
+        self._launched(state)
+
+    def check_free(self, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool) -> None:
+        """Check one real free against the shadow (every id must be live), then clear
+        the flags of what it gives back. `in_pages`: the ids are page ids."""
+        live = state.live
+        assert live is not None
+        high = state.live_high
+        if in_pages:
+            live, high = live._replace(page=1), live.flags.numel()
+        if self._on_host(ids):
+            finding = probe.scan_free(ids, high, live)
+            if finding is not None:  # strict and raise: raised before the allocator took the ids
+                self._on_host_finding(state, finding, site, -1, high, ids.numel())
+            probe.release_host(ids, high, live)
+            return
+        strict_gpu = self.strict and ids.is_cuda
+        probe.launch_free(ids, high, site, state.record, live, self._message(site, high) if strict_gpu else None)
+        self._launched(state)
+
+    def _launched(self, state: PoolState) -> None:
         state.since_poll += 1
         if state.since_poll >= self.config.poll_every:
             state.since_poll = 0
             self._poll(state)
 
-    def _state(self, pool: Any, loc: torch.Tensor) -> PoolState:
-        return pool.__dict__.get(STATE_ATTR) or self._attach(pool, loc.device)
+    def start_shadow(self, pool: Any, device: torch.device, high: int, page: int) -> PoolState:
+        """A tracked allocator was (re)cleared: every page of its pool is free."""
+        state = self._state(pool, device)
+        pages = -(-high // page)
+        if state.live is None or state.live.page != page or state.live.flags.numel() != pages:
+            state.live = probe.Live(torch.zeros(pages, dtype=torch.uint8, device=device), page)
+        else:
+            state.live.flags.zero_()
+        state.live_high = high
+        return state
+
+    def _state(self, pool: Any, device: torch.device) -> PoolState:
+        return pool.__dict__.get(STATE_ATTR) or self._attach(pool, device)
 
     def _attach(self, pool: Any, device: torch.device) -> PoolState:
         state = PoolState(pool, device)
@@ -103,8 +151,13 @@ class Guard:
         """The device-side assert text: constant per (site, bound), under CUDA's 256 bytes."""
         key = (site, high)
         if key not in self._messages:
+            what = f"KV slot id outside [0, {high})"
+            if free_param(site):
+                what = f"freed {what} or not allocated (double free)"
+            elif self.liveness:
+                what += " or not allocated"
             self._messages[key] = (
-                f"sglang_oobguard: {site_label(site)}: KV slot id outside [0, {high}); "
+                f"sglang_oobguard: {site_label(site)}: {what}; "
                 "see the scheduler log, or rerun with SGLANG_OOBGUARD_MODE=raise for the report"
             )[:255]
         return self._messages[key]
@@ -112,14 +165,13 @@ class Guard:
     # -- reporting ------------------------------------------------------------
 
     def _on_host_finding(self, state: PoolState, finding: probe.Finding, site: int,
-                         layer: int, high: int, loc: torch.Tensor, lens: Optional[torch.Tensor]) -> None:
-        probe.fold_host(state.record, finding, site, layer, high, loc.numel())
+                         layer: int, high: int, numel: int) -> None:
+        """Record and publish; returns only in warn mode (the caller then contains)."""
+        probe.fold_host(state.record, finding, site, layer, high, numel)
         totals = probe.read(state.record)
         state.reported = totals.calls
         violation = Violation(site_label(site), state.pool_name, layer, high, finding.bad,
-                              loc.numel(), finding.pos, finding.value, totals.total_bad, totals.calls)
-        if self.config.mode is Mode.WARN:
-            probe.contain_host(loc, high, lens)
+                              numel, finding.pos, finding.value, totals.total_bad, totals.calls, free_param(site))
         self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
 
     def _poll(self, state: PoolState) -> None:
@@ -142,7 +194,7 @@ class Guard:
         state.reported = record.calls
         violation = Violation(site_label(record.site), state.pool_name, record.layer, record.high,
                               record.bad, record.numel, record.pos, record.value,
-                              record.total_bad, record.calls)
+                              record.total_bad, record.calls, free_param(record.site))
         self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
 
     def check(self) -> None:
@@ -160,7 +212,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     unified pools require the original). A nested call on the same pool and method
     with the same ids object, i.e. a super() call, is not probed again."""
     method = found.method
-    specs = tuple((ids.position, name, ids.bound.high, site)
+    specs = tuple((ids.position, name, ids.bound.high, site, ids.bound is TOKEN_SLOTS)
                   for ids, name, site in zip(found.rule.ids, found.id_names, found.sites))
     head_at, head_name = specs[0][0], specs[0][1]
     lens_at = found.rule.lens
@@ -174,11 +226,11 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         guard.current = (instance, method, head)
         try:
             lens = None if lens_at is None else _arg(args, kwargs, lens_at, "commit_lens")
-            for position, name, high, site in specs:
+            for position, name, high, site, in_slots in specs:
                 value = args[position] if len(args) > position else kwargs.get(name)
                 loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
                 if loc is not None:
-                    check(instance, site, loc, high(instance), (args, kwargs, found), lens)
+                    check(instance, site, loc, high(instance), (args, kwargs, found), lens, in_slots)
             return wrapped(*args, **kwargs)
         finally:
             guard.current = outer

@@ -4,7 +4,8 @@
 wraps each one a rule covers with `wrapt.wrap_function_wrapper`; a hook on KVCache's
 `__init_subclass__` does the same for pool classes that sglang defines later (their
 modules load after the plugin runs). In each pool module, the binding of upstream's
-own probe skips the calls that duplicate ours. `uninstall` puts back the exact
+own probe skips the calls that duplicate ours. With liveness on, the tracked
+allocators' methods are wrapped too (`liveness`). `uninstall` puts back the exact
 original objects, hook included.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from dataclasses import replace
 from types import ModuleType
 from typing import Any, Optional, Union
 
@@ -22,11 +22,13 @@ import wrapt
 from . import config as config_mod
 from .discover import Found, Skipped, discover, resolve, write_methods
 from .guard import Guard, make_upstream_skip, make_wrapper
+from .liveness import AllocatorMethod, allocator_targets
+from .liveness import make_wrapper as make_allocator_wrapper
 from .report import Violation, ensure_visible, logger
 from .targets import BASE_CLASS, MEMORY_POOL, UPSTREAM_PROBE, is_supported, version_of_sglang
 
 _guard: Optional[Guard] = None
-_installed: list[Found] = []
+_installed: list[Union[Found, AllocatorMethod]] = []
 _upstream: dict[str, tuple[ModuleType, Any]] = {}  # module name -> (module, its maybe_detect_oob)
 _hooked: Optional[tuple[type, Any]] = None  # (KVCache, its own __init_subclass__ or None)
 
@@ -48,17 +50,12 @@ def coverage() -> Union[list[Union[Found, Skipped]], str]:
 def _config_for(mode: Optional[str]) -> config_mod.Config:
     """The environment's configuration; an explicit `mode` argument wins, and with
     none an explicit call to install() means strict unless the environment says."""
-    env = config_mod.from_env()
-    chosen = config_mod.parse_mode(mode)
-    if chosen is not None:
-        return replace(env, mode=chosen)
-    if env.active or os.environ.get(config_mod.MODE_VAR, "").lower() == "off":
-        return env
-    return replace(env, mode=config_mod.Mode.STRICT)
+    return config_mod.from_env(mode=config_mod.parse_mode(mode), default=config_mod.Mode.STRICT)
 
 
-def install(mode: Optional[str] = None) -> tuple[Found, ...]:
-    """Guard every write method that a rule covers on this sglang; returns them."""
+def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], ...]:
+    """Guard every write method that a rule covers on this sglang (and, with
+    liveness on, wrap the tracked allocators); returns what was wrapped."""
     global _guard
     config = _config_for(mode)
     if not config.active:
@@ -66,6 +63,8 @@ def install(mode: Optional[str] = None) -> tuple[Found, ...]:
     _check_backend(config)
     if _guard is not None:  # already installed: same wrappers, new settings
         _guard.configure(config)
+        if config.liveness and not any(isinstance(entry, AllocatorMethod) for entry in _installed):
+            _track_allocators()
         return tuple(_installed)
     ensure_visible()
     base = base_class()
@@ -75,9 +74,12 @@ def install(mode: Optional[str] = None) -> tuple[Found, ...]:
     _guard = Guard(config)
     skipped = _guard_classes(discover(base))
     _hook_new_classes(base)
+    if config.liveness:
+        _track_allocators()
     version = version_of_sglang()
-    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s",
-                os.getpid(), config.mode.value, config.backend.value, len(_installed), version)
+    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s, liveness=%s",
+                os.getpid(), config.mode.value, config.backend.value,
+                sum(isinstance(entry, Found) for entry in _installed), version, "on" if config.liveness else "off")
     if skipped or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
@@ -99,6 +101,23 @@ def _guard_classes(entries: list[Union[Found, Skipped]]) -> list[str]:
         _installed.append(entry)
         _skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
     return skipped
+
+
+def _track_allocators() -> None:
+    """Wrap the tracked allocators' methods; name the allocators whose pools get the
+    bound check only."""
+    assert _guard is not None
+    targets = allocator_targets()
+    if isinstance(targets, str):
+        logger.warning("sglang_oobguard: liveness NOT tracked: %s", targets)
+        return
+    methods, untracked = targets
+    for target in methods:
+        wrapt.wrap_function_wrapper(target.owner, target.method, make_allocator_wrapper(target, _guard))
+        _installed.append(target)
+    if untracked:
+        logger.warning("sglang_oobguard: liveness not tracked for the pools of %s (bound check only)",
+                       ", ".join(untracked))
 
 
 def _hook_new_classes(base: type) -> None:

@@ -7,6 +7,12 @@ Two implementations of one contract, and the record they both keep:
   redirects bad ids to padding slot 0 in place, and folds the finding into a
   per-pool device record, with no host sync (safe under CUDA-graph capture).
 
+With a liveness shadow (`Live`: one uint8 flag per page of the pool, set while the
+allocator has the page handed out) an id inside the bound is also bad when its page
+is not live; page 0, the padding page that is never handed out, is exempt. A free is
+checked the same way (`scan_free` / `launch_free`: every freed id must be live) and
+then clears the flags of the pages it gives back.
+
 The record is an int64 tensor, one per pool, laid out as `Record`'s fields:
 running totals, then the first violation seen (site, layer, bound, counts, position,
 value). Tests feed both paths the same `loc` and compare the records field by field.
@@ -49,6 +55,13 @@ class Finding(NamedTuple):
     value: int
 
 
+class Live(NamedTuple):
+    """A pool's liveness shadow: flags[id // page] != 0 while that page is handed out."""
+
+    flags: torch.Tensor  # uint8, one per page of the pool's id space
+    page: int  # ids per flag: the allocator's page size (1: per slot)
+
+
 def new_record(device: torch.device) -> torch.Tensor:
     return torch.zeros(RECORD_LEN, dtype=torch.int64, device=device)
 
@@ -59,36 +72,78 @@ def _written(loc: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return (cols[None, :] < lens.to(loc.device, torch.int64)[:, None]).reshape(-1)
 
 
-def scan_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None) -> Finding | None:
-    """The immediate CPU check: None when every written id is in [0, high). Host
-    reads are fine here because `loc` already lives in host memory. With `lens`,
-    only each row's valid prefix is written, and checked."""
-    flat = loc if loc.dim() == 1 else loc.reshape(-1)
-    if lens is not None:
-        bad = _written(loc, lens) & ((flat < 0) | (flat >= high))
-        if not bool(bad.any()):
-            return None
-        pos = int(bad.to(torch.uint8).argmax())
-        return Finding(int(bad.sum()), pos, int(flat[pos]))
-    if flat.numel() <= _HOST_LIST_MAX:
-        ids = flat.tolist()
-        if not ids or (min(ids) >= 0 and max(ids) < high):
-            return None
-    else:
-        lo, hi = torch.aminmax(flat)
-        if lo.item() >= 0 and hi.item() < high:
-            return None
+def _bad(flat: torch.Tensor, high: int, live: Live | None) -> torch.Tensor:
+    """Per id: outside [0, high), or (with a shadow) inside on a page that is not live."""
     bad = (flat < 0) | (flat >= high)
+    if live is not None:
+        pages = flat.clamp(0, high - 1) // live.page
+        bad |= (flat >= live.page) & (live.flags.to(flat.device)[pages] == 0) & ~bad
+    return bad
+
+
+def _in_list(ids: list[int], high: int, live: Live | None) -> bool:
+    """The small-call fast path of `_bad(...).any() == False`, in plain Python."""
+    if not ids or (min(ids) >= 0 and max(ids) < high):
+        if live is None:
+            return True
+        flags, page = live.flags, live.page
+        return all(i < page or flags[i // page] for i in ids)
+    return False
+
+
+def scan_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
+              live: Live | None = None) -> Finding | None:
+    """The immediate CPU check: None when every written id is in [0, high) (and, with
+    `live`, on a live page). Host reads are fine here because `loc` already lives in
+    host memory. With `lens`, only each row's valid prefix is written, and checked."""
+    flat = loc if loc.dim() == 1 else loc.reshape(-1)
+    if lens is None:
+        if flat.numel() <= _HOST_LIST_MAX:
+            if _in_list(flat.tolist(), high, None if live is None else live._replace(flags=live.flags.numpy())):
+                return None
+        elif live is None:
+            lo, hi = torch.aminmax(flat)
+            if lo.item() >= 0 and hi.item() < high:
+                return None
+    bad = _bad(flat, high, live)
+    if lens is not None:
+        bad &= _written(loc, lens)
+    if not bool(bad.any()):
+        return None
     pos = int(bad.to(torch.uint8).argmax())
     return Finding(int(bad.sum()), pos, int(flat[pos]))
 
 
-def contain_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None) -> None:
+def contain_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
+                 live: Live | None = None) -> None:
     """Redirect bad (written) ids to padding slot 0, in place, as the kernel does."""
-    bad = (loc < 0) | (loc >= high)
+    bad = _bad(loc.reshape(-1), high, live).reshape(loc.shape)
     if lens is not None:
         bad &= _written(loc, lens).reshape(loc.shape)
     loc.masked_fill_(bad, 0)
+
+
+def mark(live: Live, ids: torch.Tensor) -> None:
+    """The allocator handed these ids out: their pages are live (a device scatter)."""
+    live.flags.index_fill_(0, ids.reshape(-1).to(live.flags.device) // live.page, 1)
+
+
+def scan_free(ids: torch.Tensor, high: int, live: Live) -> Finding | None:
+    """The host check of a free: None when every id is in [0, high) on a live page."""
+    flat = ids.reshape(-1)
+    bad = (flat < 0) | (flat >= high)
+    bad |= ~bad & (live.flags[flat.clamp(0, high - 1) // live.page] == 0)
+    if not bool(bad.any()):
+        return None
+    pos = int(bad.to(torch.uint8).argmax())
+    return Finding(int(bad.sum()), pos, int(flat[pos]))
+
+
+def release_host(ids: torch.Tensor, high: int, live: Live) -> None:
+    """The pages of these ids went back to the free list: clear their flags."""
+    flat = ids.reshape(-1)
+    inside = flat[(flat >= 0) & (flat < high)]
+    live.flags.index_fill_(0, inside // live.page, 0)
 
 
 def read(record: torch.Tensor) -> Record:
@@ -106,7 +161,25 @@ def fold_host(record: torch.Tensor, finding: Finding, site: int, layer: int, hig
     record.copy_(torch.tensor(new, dtype=torch.int64))
 
 
-@triton.jit(do_not_specialize=["n", "high", "site", "layer", "row_len"])
+@triton.jit
+def _fold(record_ptr, total, pos, value, n, high, site, layer):
+    """Fold one call's tally into the record: running totals, and the first
+    violation's details. Offsets follow Record's fields."""
+    hit = total > 0
+    calls = tl.load(record_ptr + 1)
+    first = hit & (calls == 0)
+    tl.store(record_ptr + 0, tl.load(record_ptr + 0) + total, mask=hit)
+    tl.store(record_ptr + 1, calls + 1, mask=hit)
+    tl.store(record_ptr + 2, site.to(tl.int64), mask=first)
+    tl.store(record_ptr + 3, layer.to(tl.int64), mask=first)
+    tl.store(record_ptr + 4, high.to(tl.int64), mask=first)
+    tl.store(record_ptr + 5, total, mask=first)
+    tl.store(record_ptr + 6, n.to(tl.int64), mask=first)
+    tl.store(record_ptr + 7, pos, mask=first)
+    tl.store(record_ptr + 8, value, mask=first)
+
+
+@triton.jit(do_not_specialize=["n", "high", "site", "layer", "row_len", "live_page"])
 def _oob_probe_kernel(
     loc_ptr,
     n,
@@ -118,14 +191,19 @@ def _oob_probe_kernel(
     site,
     layer,
     record_ptr,
+    live_ptr,
+    live_page,
     HAS_LENS: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
     ASSERT: tl.constexpr,
     MESSAGE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One program walks `loc` in BLOCK-wide chunks, keeps per-lane tallies, and
     reduces once at the end; one launch per guarded write. With HAS_LENS, `loc` is
-    (rows, row_len) and only the first lens[row] ids of each row are written."""
+    (rows, row_len) and only the first lens[row] ids of each row are written. With
+    HAS_LIVE, an in-bound id past page 0 is also bad when its page's flag is 0: one
+    extra gather in the same launch."""
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     bad_count = tl.zeros([BLOCK], dtype=tl.int64)
     first_pos = tl.full([BLOCK], n, dtype=tl.int64)
@@ -143,6 +221,10 @@ def _oob_probe_kernel(
         ids = tl.load(ptrs, mask=inside, other=0)
         wide = ids.to(tl.int64)
         bad = inside & ((wide < 0) | (wide >= high))
+        if HAS_LIVE:
+            held = inside & ~bad & (wide >= live_page)
+            flag = tl.load(live_ptr + wide // live_page, mask=held, other=1)
+            bad = bad | (held & (flag == 0))
         bad_count += bad.to(tl.int64)
         fresh = bad & (first_pos == n)
         first_val = tl.where(fresh, wide, first_val)
@@ -153,29 +235,18 @@ def _oob_probe_kernel(
     value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
     if ASSERT:
         tl.device_assert(total == 0, MESSAGE)
-    hit = total > 0
-    calls = tl.load(record_ptr + 1)
-    first = hit & (calls == 0)
-    # Offsets follow Record's fields: total_bad, calls, site, layer, high, bad, numel, pos, value.
-    tl.store(record_ptr + 0, tl.load(record_ptr + 0) + total, mask=hit)
-    tl.store(record_ptr + 1, calls + 1, mask=hit)
-    tl.store(record_ptr + 2, site.to(tl.int64), mask=first)
-    tl.store(record_ptr + 3, layer.to(tl.int64), mask=first)
-    tl.store(record_ptr + 4, high.to(tl.int64), mask=first)
-    tl.store(record_ptr + 5, total, mask=first)
-    tl.store(record_ptr + 6, n.to(tl.int64), mask=first)
-    tl.store(record_ptr + 7, pos, mask=first)
-    tl.store(record_ptr + 8, value, mask=first)
+    _fold(record_ptr, total, pos, value, n, high, site, layer)
 
 
 PROBE_BLOCK = 1024
 
 
 def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Tensor, message: str | None,
-           lens: torch.Tensor | None = None) -> None:
+           lens: torch.Tensor | None = None, live: Live | None = None) -> None:
     """Enqueue the probe for one write. `message` set: a device-side assert with that
     text fails the process on a violation (strict mode on a GPU). `lens`: `loc` is
-    (rows, cols) and row i writes only its first lens[i] ids."""
+    (rows, cols) and row i writes only its first lens[i] ids. `live`: also check
+    that each id's page is live."""
     if lens is not None:
         flat, row_len, row_stride = loc, loc.shape[1], loc.stride(0)
         stride = loc.stride(1)
@@ -193,9 +264,70 @@ def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Te
         site,
         layer,
         record,
+        record if live is None else live.flags,  # unread without HAS_LIVE
+        1 if live is None else live.page,
         HAS_LENS=lens is not None,
+        HAS_LIVE=live is not None,
         ASSERT=message is not None,
         MESSAGE=message or "",
         BLOCK=PROBE_BLOCK,
         debug=message is not None,  # keeps tl.device_assert compiled in
+    )
+
+
+@triton.jit(do_not_specialize=["n", "high", "site", "layer", "live_page"])
+def _free_probe_kernel(
+    ids_ptr,
+    n,
+    stride,
+    high,
+    site,
+    layer,
+    record_ptr,
+    live_ptr,
+    live_page,
+    ASSERT: tl.constexpr,
+    MESSAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A free: every id must lie in [0, high) on a live page; then the pages go back
+    (flags cleared). Two passes, so a page named by several ids of one call counts
+    once, and a page freed twice across calls is caught."""
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    bad_count = tl.zeros([BLOCK], dtype=tl.int64)
+    first_pos = tl.full([BLOCK], n, dtype=tl.int64)
+    first_val = tl.zeros([BLOCK], dtype=tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + lanes
+        inside = offs < n
+        wide = tl.load(ids_ptr + offs * stride, mask=inside, other=0).to(tl.int64)
+        outside = (wide < 0) | (wide >= high)
+        flag = tl.load(live_ptr + wide // live_page, mask=inside & ~outside, other=0)
+        bad = inside & (outside | (flag == 0))
+        bad_count += bad.to(tl.int64)
+        fresh = bad & (first_pos == n)
+        first_val = tl.where(fresh, wide, first_val)
+        first_pos = tl.where(fresh, offs, first_pos)
+    total = tl.sum(bad_count, axis=0)
+    pos = tl.min(first_pos, axis=0)
+    value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
+    if ASSERT:
+        tl.device_assert(total == 0, MESSAGE)
+    _fold(record_ptr, total, pos, value, n, high, site, layer)
+    tl.debug_barrier()  # every flag read above before any is cleared below
+    for start in range(0, n, BLOCK):
+        offs = start + lanes
+        inside = offs < n
+        wide = tl.load(ids_ptr + offs * stride, mask=inside, other=0).to(tl.int64)
+        keep = inside & (wide >= 0) & (wide < high)
+        tl.store(live_ptr + wide // live_page, tl.zeros([BLOCK], dtype=tl.uint8), mask=keep)
+
+
+def launch_free(ids: torch.Tensor, high: int, site: int, record: torch.Tensor, live: Live,
+                message: str | None) -> None:
+    """Enqueue the check and release of one free (no host sync)."""
+    flat = ids if ids.dim() == 1 else ids.reshape(-1)
+    _free_probe_kernel[(1,)](
+        flat, flat.numel(), flat.stride(0), high, site, -1, record, live.flags, live.page,
+        ASSERT=message is not None, MESSAGE=message or "", BLOCK=PROBE_BLOCK, debug=message is not None,
     )

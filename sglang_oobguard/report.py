@@ -38,6 +38,8 @@ def ensure_visible() -> None:
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
 _SITE_LABELS: list[str] = []
+# Free sites (the liveness guard's allocator methods): site id -> the freed ids' name.
+_FREE_PARAMS: dict[int, str] = {}
 
 
 def site_id(label: str) -> int:
@@ -45,6 +47,18 @@ def site_id(label: str) -> int:
     if label not in _SITE_LABELS:
         _SITE_LABELS.append(label)
     return _SITE_LABELS.index(label)
+
+
+def free_site_id(label: str, param: str) -> int:
+    """The id of an allocator free site, e.g. "free (TokenToKVPoolAllocator)"."""
+    site = site_id(label)
+    _FREE_PARAMS[site] = param
+    return site
+
+
+def free_param(site: int) -> Optional[str]:
+    """The freed ids' parameter name when `site` is a free site, else None."""
+    return _FREE_PARAMS.get(site)
 
 
 def is_site_label(label: object) -> bool:
@@ -57,7 +71,9 @@ def site_label(site: int) -> str:
 
 @dataclass(frozen=True)
 class Violation:
-    """One pool's out-of-range write: the first bad call in detail, plus running totals."""
+    """One pool's bad write (or, with liveness, bad free): the first bad call in
+    detail, plus running totals. An id inside [0, high) was bad because its slot
+    is not allocated."""
 
     label: str
     pool: str
@@ -69,17 +85,22 @@ class Violation:
     value: int
     total_bad: int
     calls: int
+    freed: Optional[str] = None  # a free site: the name of the freed ids' parameter
 
     def __str__(self) -> str:
         layer = self.layer if self.layer >= 0 else "?"
-        return (
-            f"{self.label} layer {layer}: {self.bad} of {self.numel} slot ids outside "
-            f"[0, {self.high}): loc[{self.pos}] = {self.value}"
-        )
+        head = f"{self.label}: " if self.freed else f"{self.label} layer {layer}: "
+        name = self.freed or "loc"
+        if 0 <= self.value < self.high:
+            tail = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
+            return (f"{head}{name}[{self.pos}] = {self.value} is not allocated "
+                    f"({'double free' if self.freed else 'freed'}){tail}")
+        return f"{head}{self.bad} of {self.numel} slot ids outside [0, {self.high}): {name}[{self.pos}] = {self.value}"
 
 
 class KVOutOfBoundsError(IndexError):
-    """A KV-cache write was handed slot ids outside its pool."""
+    """A KV-cache write was handed slot ids outside its pool (or, with liveness,
+    slots that are not allocated; a free, slots that are not allocated)."""
 
     def __init__(self, violation: Violation) -> None:
         self.violation = violation
@@ -108,12 +129,12 @@ class Reporter:
     def _warn(self, violation: Violation) -> None:
         now = time.monotonic()
         if self._last_log is None:
-            logger.warning("sglang_oobguard: KV write out of bounds, contained (ids sent to padding slot 0): %s (pool %s)",
+            logger.warning("sglang_oobguard: bad KV slot ids, writes contained (ids sent to padding slot 0): %s (pool %s)",
                            violation, violation.pool)
         elif now - self._last_log >= self.warn_interval_s:
             bad = sum(v.total_bad for v in self.latest.values())
             calls = sum(v.calls for v in self.latest.values())
-            logger.warning("sglang_oobguard: KV writes out of bounds so far: %d bad slot ids in %d writes "
+            logger.warning("sglang_oobguard: bad KV slot ids so far: %d in %d calls "
                            "(%d reports not logged since the last line); latest: %s (pool %s)",
                            bad, calls, self._suppressed, violation, violation.pool)
         else:

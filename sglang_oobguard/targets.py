@@ -17,6 +17,7 @@ A write method that no rule covers is not guarded and is named with the reason.
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -145,6 +146,43 @@ def label_for(class_name: str, method: str, ids: Ids) -> str:
     if method == "move_kv_cache":  # upstream's text, the same in every pool
         return f"move_kv_cache{ids.suffix}"
     return LABELS.get((class_name, method), f"{method} ({class_name})")
+
+
+# -- liveness (SGLANG_OOBGUARD_LIVENESS): the allocators that hand slots out --------
+
+ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"  # a module before 0.5.2x, a package after
+ALLOCATOR_BASE = "BaseTokenToKVPoolAllocator"
+POOL_OF_ALLOCATOR = "_kvcache"  # sglang's own wiring: the allocator holds its KV pool
+
+
+class Role(str, enum.Enum):
+    """What an allocator method does to the liveness of its pool's slots."""
+
+    ALLOC = "hands out the token ids it returns"
+    FREE = "takes token ids back (at once, or when its free group ends)"
+    FREE_PAGES = "takes page ids back (at once, or when its free group ends)"
+    GROUP_END = "takes back the page ids its free group held"
+    CLEAR = "takes everything back (its constructor calls it: the shadow starts here)"
+    BACKUP = "saves the free lists (speculative decoding)"
+    RESTORE = "puts saved free lists back"
+
+
+# Allocators whose every hand-out and take-back path is known on every release of
+# the matrix (0.4.10 .. 0.5.23). The check is exact-type: a subclass may hand slots
+# out another way, so its pool (and any other allocator's) gets the bound check only,
+# and is named in the activation log line.
+TRACKED_ALLOCATORS = ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator")
+ALLOCATOR_METHODS: dict[str, Role] = {
+    "alloc": Role.ALLOC,
+    "alloc_extend": Role.ALLOC,
+    "alloc_decode": Role.ALLOC,
+    "free": Role.FREE,  # free_full, free_segment(s) of the token allocator call it
+    "free_page_ids": Role.FREE_PAGES,  # 0.5.2x; the paged free_segment calls it
+    "free_group_end": Role.GROUP_END,
+    "clear": Role.CLEAR,  # resize() calls it too
+    "backup_state": Role.BACKUP,  # before 0.5.2x
+    "restore_state": Role.RESTORE,
+}
 
 
 def version_of_sglang() -> str:

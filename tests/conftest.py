@@ -50,12 +50,13 @@ def clean_env(monkeypatch) -> Iterator[None]:
 
 @pytest.fixture
 def guard(monkeypatch):
-    """install(mode, backend=...) for one test; the autouse fixture uninstalls."""
+    """install(mode, backend=..., liveness=...) for one test; the autouse fixture uninstalls."""
     import sglang_oobguard
 
-    def _install(mode: str, backend: str = "auto", poll_every: int = 1):
+    def _install(mode: str, backend: str = "auto", poll_every: int = 1, liveness: bool = False):
         monkeypatch.setenv("SGLANG_OOBGUARD_BACKEND", backend)
         monkeypatch.setenv("SGLANG_OOBGUARD_POLL_EVERY", str(poll_every))
+        monkeypatch.setenv("SGLANG_OOBGUARD_LIVENESS", "1" if liveness else "0")
         sglang_oobguard.uninstall()
         return sglang_oobguard.install(mode)
 

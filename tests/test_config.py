@@ -62,6 +62,7 @@ def test_numbers_and_backend_parse():
         ("SGLANG_OOBGUARD_POLL_EVERY", "2.5", "int >= 1"),
         ("SGLANG_OOBGUARD_WARN_INTERVAL_S", "nan", "float >= 0.0"),
         ("SGLANG_OOBGUARD_WARN_INTERVAL_S", "-1", "float >= 0.0"),
+        ("SGLANG_OOBGUARD_LIVENESS", "on", "true/1/yes/y"),
     ],
 )
 def test_every_invalid_value_names_variable_value_and_choices(variable, value, accepted):
@@ -72,3 +73,32 @@ def test_every_invalid_value_names_variable_value_and_choices(variable, value, a
     assert variable in message and repr(value) in message and accepted in message
     assert "NOT active" in message
     assert (info.value.variable, info.value.value) == (variable, value)
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+def test_liveness_works_in_every_mode(mode):
+    cfg = from_env({"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_LIVENESS": "1"})
+    assert cfg.liveness and cfg.mode is Mode(mode)
+    assert not from_env({"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_LIVENESS": "no"}).liveness
+    assert not from_env({"SGLANG_OOBGUARD_MODE": mode}).liveness
+
+
+def test_liveness_without_the_guard_is_an_error_naming_the_fix():
+    with pytest.raises(ConfigError) as info:
+        from_env({"SGLANG_OOBGUARD_LIVENESS": "1"})
+    message = str(info.value)
+    assert "SGLANG_OOBGUARD_LIVENESS" in message and "SGLANG_ENABLE_ASYNC_ASSERT=1" in message
+    assert "NOT active" in message
+
+
+def test_explicit_off_wins_over_liveness():
+    cfg = from_env({"SGLANG_OOBGUARD_MODE": "off", "SGLANG_OOBGUARD_LIVENESS": "1"})
+    assert not cfg.active and not cfg.liveness
+
+
+def test_install_argument_wins_and_defaults_to_strict():
+    assert from_env({}, mode=Mode.WARN).mode is Mode.WARN
+    assert from_env({"SGLANG_OOBGUARD_MODE": "off"}, mode=Mode.RAISE).mode is Mode.RAISE
+    cfg = from_env({"SGLANG_OOBGUARD_LIVENESS": "1"}, default=Mode.STRICT)
+    assert cfg.mode is Mode.STRICT and cfg.liveness
+    assert not from_env({"SGLANG_OOBGUARD_MODE": "off"}, default=Mode.STRICT).active

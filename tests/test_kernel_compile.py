@@ -1,4 +1,4 @@
-"""The probe kernel compiled for a real GPU target (sm_90, H100/H200) with Triton's
+"""The probe kernels compiled for a real GPU target (sm_90, H100/H200) with Triton's
 own compiler, which needs no GPU. The interpreter skips codegen and makes
 tl.device_assert a no-op, so only this shows the strict assert is really in the
 binary, and absent from the other modes' variant. It runs in a fresh interpreter
@@ -26,19 +26,30 @@ guard = Guard(Config(mode=Mode.STRICT))
 longest = "set_unified_key_buffer_radix_fused_norm_rope (DeepSeekV4TokenToKVPool)"  # the longest label seen
 message = guard._message(site_id(longest), 2**62)
 out = {"message": message}
-for loc_type, lens in (("i32", False), ("i64", False), ("i64", True)):
+def build(fn, signature, constexprs, strict):
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"debug": strict})
+
+variants = {}
+for loc_type, lens, live in (("i32", False, False), ("i64", False, False), ("i64", True, False), ("i64", False, True)):
+    name = loc_type + ("-lens" if lens else "") + ("-live" if live else "")
+    variants[name] = (probe._oob_probe_kernel, {
+        "loc_ptr": "*" + loc_type, "n": "i32", "stride": "i64", "lens_ptr": "*i32", "row_len": "i32",
+        "row_stride": "i64", "high": "i64", "site": "i32", "layer": "i32", "record_ptr": "*i64",
+        "live_ptr": "*u8", "live_page": "i32"}, {"HAS_LENS": lens, "HAS_LIVE": live})
+variants["free"] = (probe._free_probe_kernel, {
+    "ids_ptr": "*i64", "n": "i32", "stride": "i64", "high": "i64", "site": "i32", "layer": "i32",
+    "record_ptr": "*i64", "live_ptr": "*u8", "live_page": "i32"}, {})
+for name, (fn, signature, extra) in variants.items():
     for strict in (False, True):
-        signature = {"loc_ptr": "*" + loc_type, "n": "i32", "stride": "i64", "lens_ptr": "*i32", "row_len": "i32",
-                     "row_stride": "i64", "high": "i64", "site": "i32", "layer": "i32", "record_ptr": "*i64",
-                     "HAS_LENS": "constexpr", "ASSERT": "constexpr", "MESSAGE": "constexpr", "BLOCK": "constexpr"}
-        constexprs = {"HAS_LENS": lens, "ASSERT": strict, "MESSAGE": message if strict else "",
-                      "BLOCK": probe.PROBE_BLOCK}
-        source = ASTSource(fn=probe._oob_probe_kernel, signature=signature, constexprs=constexprs)
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"debug": strict})
-        out[loc_type + ("-lens" if lens else "") + ("-strict" if strict else "")] = {
+        constexprs = dict(extra, ASSERT=strict, MESSAGE=message if strict else "", BLOCK=probe.PROBE_BLOCK)
+        kernel = build(fn, signature, constexprs, strict)
+        out[name + ("-strict" if strict else "")] = {
             "assert": "__assertfail" in kernel.asm["ptx"],
             "message_in_cubin": message.encode()[:60] in kernel.asm["cubin"],
             "cubin_bytes": len(kernel.asm["cubin"]),
+            "byte_loads": kernel.asm["ptx"].count("ld.global.b8"),  # the shadow's flags are bytes
         }
 print(json.dumps(out))
 """
@@ -57,13 +68,22 @@ def test_assert_message_fits_cuda_limit_and_names_label_and_bound(compiled):
     assert "(DeepSeekV4TokenToKVPool)" in message and "outside [0, 4611686018427387904)" in message
 
 
-@pytest.mark.parametrize("loc_type", ["i32", "i64", "i64-lens"])
+VARIANTS = ["i32", "i64", "i64-lens", "i64-live", "free"]  # "-live": liveness; "free": the free probe
+
+
+@pytest.mark.parametrize("loc_type", VARIANTS)
 def test_strict_variant_carries_the_device_assert(compiled, loc_type):
     got = compiled[f"{loc_type}-strict"]
     assert got["assert"] and got["message_in_cubin"] and got["cubin_bytes"] > 0
 
 
-@pytest.mark.parametrize("loc_type", ["i32", "i64", "i64-lens"])
+@pytest.mark.parametrize("loc_type", VARIANTS)
 def test_other_modes_compile_without_it(compiled, loc_type):
     got = compiled[loc_type]
     assert not got["assert"] and not got["message_in_cubin"] and got["cubin_bytes"] > 0
+
+
+def test_liveness_is_one_byte_gather_in_the_same_kernel(compiled):
+    """HAS_LIVE adds the shadow's byte loads to the write probe; without it, none."""
+    assert compiled["i64-live"]["byte_loads"] > 0 and compiled["i64"]["byte_loads"] == 0
+    assert compiled["free"]["byte_loads"] > 0

@@ -53,7 +53,7 @@ def test_off_imports_nothing_and_patches_nothing():
 def test_the_entry_points_triggers_are_configs_activating_variables():
     from sglang_oobguard import config, plugin
 
-    assert plugin.TRIGGERS == (config.ENABLE_VAR, config.INVARIANT_VAR, config.MODE_VAR)
+    assert plugin.TRIGGERS == (config.ENABLE_VAR, config.INVARIANT_VAR, config.MODE_VAR, config.LIVENESS_VAR)
 
 
 @pytest.mark.parametrize(

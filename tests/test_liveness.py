@@ -1,0 +1,224 @@
+"""The liveness guard (SGLANG_OOBGUARD_LIVENESS) on the real sglang allocators and
+pools, on the CPU: writes to freed slots and double frees are caught; the normal
+alloc / free / re-alloc life of a slot is clean."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+
+import sglang_oobguard
+from helpers import Layer, mha
+from sglang_oobguard import KVOutOfBoundsError
+
+SIZE = 64
+
+
+@pytest.fixture(scope="module")
+def allocators():
+    from sglang.srt.mem_cache import allocator
+
+    return allocator
+
+
+def token_allocator(allocators, pool):
+    """sglang's TokenToKVPoolAllocator over `pool` (0.4.x has no need_sort)."""
+    cls = allocators.TokenToKVPoolAllocator
+    extra = (False,) if "need_sort" in inspect.signature(cls).parameters else ()
+    return cls(pool.size, torch.float32, "cpu", pool, *extra)
+
+
+def paged_allocator(allocators, pool):
+    cls = allocators.PagedTokenToKVPoolAllocator
+    extra = (False,) if "need_sort" in inspect.signature(cls).parameters else ()
+    return cls(pool.size, pool.page_size, torch.float32, "cpu", pool, *extra)
+
+
+def write(pool, loc, layer=3):
+    n = loc.numel()
+    k = torch.arange(n * 8, dtype=torch.float32).reshape(n, 2, 4) + 1
+    pool.set_kv_buffer(Layer(layer), loc, k, k.clone())
+
+
+@pytest.fixture(params=["auto", "triton"])
+def backend(request):
+    """The host scan, and the fused kernels (Triton's interpreter on the CPU)."""
+    return request.param
+
+
+def caught(backend, action):
+    """Run `action`; the violation it makes, raised at once (host scan) or at the next
+    check point (kernel)."""
+    with pytest.raises(KVOutOfBoundsError) as info:
+        action()
+        sglang_oobguard.check()
+    return info.value
+
+
+def test_write_after_free_is_caught(mp, allocators, guard, backend):
+    guard("raise", backend, liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(4)
+    write(pool, loc)
+    sglang_oobguard.check()
+    alloc.free(loc[2:])
+    write(pool, loc[:2])  # still held: clean
+    sglang_oobguard.check()
+    freed = int(loc[2])
+    err = caught(backend, lambda: write(pool, loc.clone()))
+    assert str(err).startswith(f"set_kv_buffer (MHA) layer 3: loc[2] = {freed} is not allocated (freed) "
+                               "(2 of 4 ids bad)")
+    assert (err.pos, err.value, err.bad, err.high) == (2, freed, 2, SIZE + 1)
+
+
+def test_write_to_a_slot_never_handed_out_is_caught_and_slot_zero_is_exempt(mp, allocators, guard):
+    guard("strict", liveness=True)
+    pool = mha(mp, SIZE)
+    token_allocator(allocators, pool)
+    write(pool, torch.tensor([0, 0]))  # padding slot 0: CUDA-graph padding rows write here
+    with pytest.raises(KVOutOfBoundsError, match=r"layer 3: loc\[1\] = 9 is not allocated \(freed\) \(pool MHATokenToKVPool\)$"):
+        write(pool, torch.tensor([0, 9]))
+
+
+def test_double_free_is_caught_before_the_allocator_takes_it(mp, allocators, guard, backend):
+    guard("raise", backend, liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(3)
+    alloc.free(loc[1:2])
+    free_before = alloc.available_size()
+    err = caught(backend, lambda: alloc.free(loc))
+    assert str(err).startswith(f"free (TokenToKVPoolAllocator): free_index[1] = {int(loc[1])} "
+                               "is not allocated (double free)")
+    assert err.pool == "MHATokenToKVPool" and err.layer == -1
+    if backend == "auto":  # the host check raises before the free reaches the free list
+        assert alloc.available_size() == free_before
+
+
+def test_alloc_free_realloc_write_is_clean(mp, allocators, guard, backend):
+    guard("strict", backend, liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    for _ in range(3):  # the whole pool, three times round
+        loc = alloc.alloc(SIZE)
+        write(pool, loc)
+        alloc.free(loc[::2])
+        alloc.free(loc[1::2])
+    loc = alloc.alloc(5)
+    write(pool, loc)
+    sglang_oobguard.check()
+    assert sglang_oobguard.violations() == []
+
+
+def test_a_free_group_holds_slots_live_until_it_ends(mp, allocators, guard):
+    guard("raise", liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(4)
+    alloc.free_group_begin()
+    alloc.free(loc[:2])
+    alloc.free(loc[2:])
+    write(pool, loc)  # queued, not yet reusable: still live
+    alloc.free_group_end()
+    with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
+        write(pool, loc[3:])
+
+
+@pytest.mark.parametrize("page_size", [16])
+def test_paged_allocator_tracks_whole_pages(mp, allocators, guard, backend, page_size):
+    guard("raise", backend, liveness=True)
+    pool = mha(mp, 256, page_size)
+    alloc = paged_allocator(allocators, pool)
+    loc = alloc.alloc(3 * page_size)
+    write(pool, loc)
+    alloc.free(loc[:page_size])  # page one goes back
+    write(pool, loc[page_size:])
+    sglang_oobguard.check()
+    err = caught(backend, lambda: write(pool, loc[page_size - 1:page_size + 1].clone()))
+    assert str(err).startswith(f"set_kv_buffer (MHA) layer 3: loc[0] = {int(loc[page_size - 1])} is not allocated")
+    # a pool's record details its first violation: a fresh pair for the double free
+    pool = mha(mp, 256, page_size)
+    alloc = paged_allocator(allocators, pool)
+    loc = alloc.alloc(2 * page_size)
+    alloc.free(loc[page_size:])
+    again = caught(backend, lambda: alloc.free(loc[page_size + 3:]))
+    assert "free (PagedTokenToKVPoolAllocator): free_index[0]" in str(again) and "(double free)" in str(again)
+
+
+def test_paged_free_page_ids_double_free(mp, allocators, guard):
+    if "free_page_ids" not in vars(allocators.PagedTokenToKVPoolAllocator):
+        pytest.skip("free_page_ids arrived in sglang 0.5.2x")
+    guard("raise", liveness=True)
+    pool = mha(mp, 256, 16)
+    alloc = paged_allocator(allocators, pool)
+    loc = alloc.alloc(32)
+    pages = torch.unique(loc // 16)
+    alloc.free_page_ids(pages[:1])
+    with pytest.raises(KVOutOfBoundsError, match=rf"free_page_ids \(PagedTokenToKVPoolAllocator\): "
+                                                 rf"page_ids\[0\] = {int(pages[0])} is not allocated \(double free\)"):
+        alloc.free_page_ids(pages)
+    alloc.free_group_begin()
+    alloc.free_page_ids(pages[1:])
+    write(pool, loc[16:])  # held by the group: still live
+    alloc.free_group_end()
+    with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
+        write(pool, loc[16:17])
+
+
+def test_warn_mode_contains_a_write_to_a_freed_slot(mp, allocators, guard, caplog):
+    guard("warn", liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(3)
+    alloc.free(loc[1:2])
+    freed = int(loc[1])
+    row_before = pool.k_buffer[3][freed].clone()
+    bad = loc.clone()
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        write(pool, bad)
+    assert bad.tolist() == [int(loc[0]), 0, int(loc[2])]  # sent to padding slot 0
+    assert torch.equal(pool.k_buffer[3][freed], row_before)  # the freed row is untouched
+    assert "is not allocated (freed)" in caplog.text
+
+
+def test_resize_clear_starts_over(mp, allocators, guard):
+    guard("raise", liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(4)
+    alloc.clear()  # every slot back
+    with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
+        write(pool, loc)
+
+
+def test_off_wraps_no_allocator_and_uninstall_restores_them(mp, allocators, guard):
+    cls = allocators.TokenToKVPoolAllocator
+    originals = {name: vars(cls)[name] for name in ("alloc", "free", "clear")}
+    guard("strict")
+    assert all(vars(cls)[name] is fn for name, fn in originals.items())
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    write(pool, torch.tensor([9]))  # not allocated, but liveness is off: clean
+    guard("strict", liveness=True)
+    assert all(vars(cls)[name].__wrapped__ is fn for name, fn in originals.items())
+    sglang_oobguard.uninstall()
+    assert all(vars(cls)[name] is fn for name, fn in originals.items())
+    assert alloc.alloc(2) is not None
+
+
+def test_untracked_allocators_are_named(mp, allocators, guard, caplog):
+    from sglang_oobguard.discover import pool_classes
+
+    others = {cls.__name__ for cls in pool_classes(allocators.BaseTokenToKVPoolAllocator)[1:]}
+    others -= {"TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"}
+    assert others  # every release has more allocators than the two tracked
+    with caplog.at_level(logging.INFO, logger="sglang_oobguard"):
+        guard("strict", liveness=True)
+    assert "liveness=on" in caplog.text
+    line = next(r.getMessage() for r in caplog.records if "liveness not tracked" in r.getMessage())
+    named = set(line.split("pools of ", 1)[1].split(" (bound")[0].split(", "))
+    assert named == others
