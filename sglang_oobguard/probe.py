@@ -125,7 +125,7 @@ def contain_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
 
 def mark(live: Live, ids: torch.Tensor) -> None:
     """The allocator handed these ids out: their pages are live (a device scatter)."""
-    live.flags.index_fill_(0, ids.reshape(-1).to(live.flags.device) // live.page, 1)
+    live.flags.index_fill_(0, ids.reshape(-1).to(live.flags.device, torch.int64) // live.page, 1)
 
 
 def scan_free(ids: torch.Tensor, high: int, live: Live) -> Finding | None:
@@ -141,7 +141,7 @@ def scan_free(ids: torch.Tensor, high: int, live: Live) -> Finding | None:
 
 def release_host(ids: torch.Tensor, high: int, live: Live) -> None:
     """The pages of these ids went back to the free list: clear their flags."""
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).to(torch.int64)
     inside = flat[(flat >= 0) & (flat < high)]
     live.flags.index_fill_(0, inside // live.page, 0)
 

@@ -44,7 +44,7 @@ def test_guard_on_without_fault_changes_nothing_and_activates_in_the_scheduler(m
     assert run.returncode == 0 and run.result["outputs"] == clean, run.log[-3000:]
     pids = {int(pid) for pid, mode in ACTIVE.findall(run.log) if mode == "strict"}
     assert len(pids) >= 2, run.log[-3000:]  # the engine's process and its scheduler (and detokenizer)
-    assert "KV write out of bounds" not in run.log and not run.leftovers
+    assert "bad KV slot ids" not in run.log and not run.leftovers
 
 
 def test_baseline_unguarded_too_high_id_crashes_the_engine_far_from_its_cause(model):
@@ -87,7 +87,7 @@ def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model
     assert all(len(tokens) == 16 for tokens in outputs)
     differ = [i for i, (got, want) in enumerate(zip(outputs, clean)) if got != want]
     assert differ in ([], [1]), (outputs, clean)  # only the faulted request may differ
-    warnings = [line for line in run.log.splitlines() if "sglang_oobguard: KV write" in line]
+    warnings = [line for line in run.log.splitlines() if "sglang_oobguard: bad KV slot ids" in line]
     assert len(warnings) == 1, warnings  # four faulted steps, one line: rate-limited
     assert f"loc[1] = {POOL_HIGH + 3}" in warnings[0] and "layer 0" in warnings[0]
     assert not run.leftovers
@@ -100,5 +100,48 @@ def test_http_server_generates_with_the_guard_on_and_shuts_down_cleanly(model, t
     assert run.result and len(run.result["output_ids"]) == 8, run.log[-3000:]
     assert run.returncode == 0  # a clean shutdown, not sglang's crash path
     assert len({pid for pid, _ in ACTIVE.findall(run.log)}) >= 2, run.log[-3000:]
-    assert "KV write out of bounds" not in run.log
+    assert "bad KV slot ids" not in run.log
+    assert not run.leftovers
+
+
+RADIX_POOL = 384  # the radix workload's max_total_tokens (tests/e2e/engine_run.py)
+PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
+LIVE = {"SGLANG_OOBGUARD_LIVENESS": "1"}
+
+
+def test_liveness_radix_cache_eviction_and_chunked_prefill_raise_nothing(model):
+    """44 requests on 4 shared prefixes, radix cache on, 32-token chunks, a pool too
+    small to keep them all: no false positive, and the same tokens as unguarded."""
+    reference = run_engine(model, {}, workload="radix")
+    assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "raise", **LIVE}, workload="radix")
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert run.result["outputs"] == reference.result["outputs"]
+    assert len(run.result["outputs"]) == 44 and all(run.result["outputs"])
+    assert "liveness=on" in run.log and "bad KV slot ids" not in run.log and "KVOutOfBoundsError" not in run.log
+    prefills = [tuple(map(int, found)) for found in PREFILL.findall(run.log)]
+    assert sum(cached for _, _, cached in prefills) > 0  # shared prefixes came from the radix cache
+    assert max(new for _, new, _ in prefills) == 32  # chunked prefill
+    # more KV written (prefill + one slot per decoded token) than the pool holds, while the
+    # tree keeps every finished sequence: so slots were evicted, freed and handed out again
+    written = sum(new for _, new, _ in prefills) + sum(len(tokens) for tokens in run.result["outputs"])
+    assert written > 2 * RADIX_POOL
+    assert not run.leftovers
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+def test_liveness_catches_a_slot_freed_while_its_request_decodes(model, mode):
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0", **LIVE,
+                             "OOBGUARD_FAULT": "step=3,token=1,value=freed"})
+    (line,) = injected(run)
+    slot = int(re.search(r"out_cache_loc (\d+) freed", line).group(1))
+    report = f"set_kv_buffer (MHA) layer 0: loc[1] = {slot} is not allocated (freed) (pool MHATokenToKVPool)"
+    if mode == "warn":  # served; the write contained; the request's own free later is a double free
+        assert run.returncode == 0 and run.result and len(run.result["outputs"]) == 4, run.log[-3000:]
+        assert f"writes contained (ids sent to padding slot 0): {report}" in run.log
+        assert re.search(rf"free \(TokenToKVPoolAllocator\): free_index\[\d+\] = {slot} is not allocated "
+                         r"\(double free\)", run.log), run.log[-3000:]
+    else:
+        assert f"KVOutOfBoundsError: {report}" in run.log, run.log[-3000:]
+        assert run.result is None and run.returncode != 0
     assert not run.leftovers

@@ -222,3 +222,15 @@ def test_untracked_allocators_are_named(mp, allocators, guard, caplog):
     line = next(r.getMessage() for r in caplog.records if "liveness not tracked" in r.getMessage())
     named = set(line.split("pools of ", 1)[1].split(" (bound")[0].split(", "))
     assert named == others
+
+
+def test_int32_ids_as_the_radix_cache_frees_them(mp, allocators, guard, backend):
+    guard("raise", backend, liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(4)
+    write(pool, loc.to(torch.int32))
+    alloc.free(loc[:2].to(torch.int32))
+    sglang_oobguard.check()
+    err = caught(backend, lambda: write(pool, loc.to(torch.int32)))
+    assert err.pos == 0 and err.value == int(loc[0]) and "is not allocated (freed)" in str(err)

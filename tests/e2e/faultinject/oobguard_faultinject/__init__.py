@@ -7,6 +7,10 @@ such as `-1`) it wraps `ModelRunner.forward`, counts the forwards that write KV,
 on each chosen one replaces `out_cache_loc[token]` in a clone handed to that forward
 only: the allocator and req_to_token keep the true slot, as with a real stale id
 between the allocator and the attention backend's write.
+
+`value=freed` injects the other kind of stale id: on the chosen forward it gives
+`out_cache_loc[token]` back to the allocator (`token_to_kv_pool_allocator.free`)
+while its request still runs, then lets the forward write there: a use after free.
 """
 
 from __future__ import annotations
@@ -34,15 +38,20 @@ def _forward(wrapped, instance, args, kwargs):
         spec = _spec()
         token = int(spec["token"])
         if _count in _steps(spec["step"]) and token < loc.numel():
-            pool = instance.token_to_kv_pool
             raw = spec["value"]
-            value = pool.size + pool.page_size + int(raw[5:]) if raw.startswith("high+") else int(raw)
-            bad = loc.clone()
-            before = int(bad[token])
-            bad[token] = value
-            batch.out_cache_loc = bad
-            print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc {before} -> "
-                  f"{value} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            if raw == "freed":
+                instance.token_to_kv_pool_allocator.free(loc[token:token + 1].clone())
+                print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc "
+                      f"{int(loc[token])} freed (pid {os.getpid()})", file=sys.stderr, flush=True)
+            else:
+                pool = instance.token_to_kv_pool
+                value = pool.size + pool.page_size + int(raw[5:]) if raw.startswith("high+") else int(raw)
+                bad = loc.clone()
+                before = int(bad[token])
+                bad[token] = value
+                batch.out_cache_loc = bad
+                print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc {before} -> "
+                      f"{value} (pid {os.getpid()})", file=sys.stderr, flush=True)
         _count += 1
     return wrapped(*args, **kwargs)
 
