@@ -234,3 +234,19 @@ def test_int32_ids_as_the_radix_cache_frees_them(mp, allocators, guard, backend)
     sglang_oobguard.check()
     err = caught(backend, lambda: write(pool, loc.to(torch.int32)))
     assert err.pos == 0 and err.value == int(loc[0]) and "is not allocated (freed)" in str(err)
+
+
+def test_restore_state_gives_back_what_was_handed_out_since_backup(mp, allocators, guard):
+    if not hasattr(allocators.BaseTokenToKVPoolAllocator, "backup_state"):
+        pytest.skip("backup_state / restore_state left sglang in 0.5.2x")
+    guard("raise", liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    kept = alloc.alloc(2)
+    saved = alloc.backup_state()
+    draft = alloc.alloc(3)  # speculative decoding's draft slots
+    write(pool, torch.cat([kept, draft]))
+    alloc.restore_state(saved)
+    write(pool, kept)
+    with pytest.raises(KVOutOfBoundsError, match=rf"loc\[0\] = {int(draft[0])} is not allocated"):
+        write(pool, draft)
