@@ -6,7 +6,8 @@ upstream's in-source probe, measured side by side in one run, plus the cost when
 
 Each row interleaves its variants round by round and reports median per-call times and
 the median of per-round ratios, so background noise hits every variant alike. "guarded + upstream flag" is the guard
-with SGLANG_ENABLE_ASYNC_ASSERT=1 too, where upstream's duplicate probe is skipped. One torch thread, as sglang's CPU
+with SGLANG_ENABLE_ASYNC_ASSERT=1 too, where upstream's duplicate probe is skipped. "liveness" is the guard with
+SGLANG_OOBGUARD_LIVENESS=1, every slot handed out by sglang's own allocator so that every write is checked in full. One torch thread, as sglang's CPU
 reference measurement used. A benchmark, not a test: it prints ratios against targets.
 """
 
@@ -26,6 +27,7 @@ from typing import Callable
 import torch
 
 ASYNC_ASSERT = "SGLANG_ENABLE_ASYNC_ASSERT"
+LIVENESS = "SGLANG_OOBGUARD_LIVENESS"
 SIZE, PAGE, HEADS, DIM = 8192, 1, 8, 128
 HIGH = SIZE + PAGE
 
@@ -61,6 +63,7 @@ def ratio(samples: dict[str, list[float]], num: str, den: str) -> float:
 
 def write_rows(quick: bool) -> list[dict]:
     import sglang_oobguard
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.utils.async_probe import maybe_detect_oob
     from sglang_oobguard import probe
@@ -70,10 +73,22 @@ def write_rows(quick: bool) -> list[dict]:
     def plain() -> None:
         sglang_oobguard.uninstall()
         os.environ.pop(ASYNC_ASSERT, None)
+        os.environ.pop(LIVENESS, None)
 
     def ours() -> None:
         os.environ.pop(ASYNC_ASSERT, None)  # upstream's own probe stays off: the ratio is ours
+        os.environ.pop(LIVENESS, None)
         sglang_oobguard.install("strict")
+
+    allocators: list = []
+
+    def live() -> None:
+        os.environ.pop(ASYNC_ASSERT, None)
+        os.environ[LIVENESS] = "1"
+        sglang_oobguard.install("strict")
+        if not allocators:  # its constructor starts the pool's shadow; then every slot is handed out
+            allocators.append(TokenToKVPoolAllocator(SIZE, torch.bfloat16, "cpu", pool, False))
+            allocators[0].alloc(SIZE)
 
     def upstream() -> None:
         sglang_oobguard.uninstall()
@@ -81,6 +96,7 @@ def write_rows(quick: bool) -> list[dict]:
 
     def both() -> None:  # the guard with upstream's flag on: upstream's duplicate is skipped
         os.environ[ASYNC_ASSERT] = "1"
+        os.environ.pop(LIVENESS, None)
         sglang_oobguard.install("strict")
 
     rows = []
@@ -90,8 +106,9 @@ def write_rows(quick: bool) -> list[dict]:
         write = lambda: pool.set_kv_buffer(Layer, loc, k, k)  # noqa: E731
         calls = 20 if quick else max(20, 20000 // (n + 8))
         rounds = 2 if quick else 25
-        w = per_call_us({"unguarded": write, "guarded": write, "upstream": write, "both": write}, calls, rounds,
-                        {"unguarded": plain, "guarded": ours, "upstream": upstream, "both": both})
+        w = per_call_us({"unguarded": write, "guarded": write, "upstream": write, "both": write, "live": write},
+                        calls, rounds, {"unguarded": plain, "guarded": ours, "upstream": upstream, "both": both,
+                                        "live": live})
         p = per_call_us({"ours": lambda: probe.scan_host(loc, HIGH),
                          "theirs": lambda: maybe_detect_oob(loc, 0, HIGH, "set_kv_buffer (MHA)")},
                         calls * 4, rounds, {"ours": plain, "theirs": upstream})
@@ -99,6 +116,7 @@ def write_rows(quick: bool) -> list[dict]:
         median = {name: statistics.median(values) for name, values in {**w, **p}.items()}
         rows.append({"n": n, **median, "guarded_x": ratio(w, "guarded", "unguarded"),
                      "upstream_x": ratio(w, "upstream", "unguarded"), "both_x": ratio(w, "both", "unguarded"),
+                     "live_x": ratio(w, "live", "unguarded"),
                      "probe_x": ratio(p, "ours", "theirs")})
     return rows
 
@@ -170,13 +188,14 @@ def main() -> int:
     print(f"sglang-oobguard CPU benchmark, {date.today()}, sglang {sglang.__version__}, torch {torch.__version__}, "
           f"{platform.machine()} {os.cpu_count()} cores, 1 torch thread; bf16 MHA pool, {HEADS} KV heads x {DIM}\n")
     print("| tokens N | set_kv_buffer unguarded | guarded (strict) | ratio | upstream probe on | ratio "
-          "| guarded + upstream flag | ratio | our probe | upstream probe | ours/upstream |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| guarded + upstream flag | ratio | liveness on | ratio | our probe | upstream probe | ours/upstream |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         target = 1.30 if r["n"] == 1 else 1.05 if r["n"] >= 256 else None
         shown = verdict(r["guarded_x"], target) if target else f"{r['guarded_x']:.2f}x"
         print(f"| {r['n']} | {r['unguarded']:.1f} us | {r['guarded']:.1f} us | {shown} "
               f"| {r['upstream']:.1f} us | {r['upstream_x']:.2f}x | {r['both']:.1f} us | {r['both_x']:.2f}x "
+              f"| {r['live']:.1f} us | {verdict(r['live_x'], 1.10) if r['n'] == 1 else format(r['live_x'], '.2f') + 'x'} "
               f"| {r['ours']:.2f} us | {r['theirs']:.2f} us | {verdict(r['probe_x'], 0.35)} |")
     print(f"\nOff (no variable set), in fresh interpreters: the entry point's load() takes "
           f"{off['load_ms'] * 1000:.1f} us (target < 200 us); importing its module first takes "

@@ -83,7 +83,7 @@ def resolve(owner: type, method: str) -> Union[Found, Skipped]:
     original = getattr(original, "__wrapped__", original)  # already wrapped by us
     if not inspect.isfunction(original):
         return Skipped(owner, method, f"a {type(original).__name__}, not a function", False)
-    design = _by_design(original)
+    design = by_design(original)
     if design:
         return Skipped(owner, method, design, True)
     rule = rule_for(owner.__name__, method)
@@ -104,7 +104,7 @@ def resolve(owner: type, method: str) -> Union[Found, Skipped]:
                  layer_name, override)
 
 
-def _by_design(function: Callable[..., Any]) -> str:
+def by_design(function: Callable[..., Any]) -> str:
     """'raises ...' or 'does nothing' when the body is one raise or a bare return
     (after a docstring): such a method writes nothing and is left alone."""
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import config
 from .discover import Found, Skipped, import_pool_modules
+from .liveness import allocator_targets
 from .patch import coverage
 from .report import site_label
 from .targets import SUPPORTED, TESTED, is_supported, version_of_sglang
@@ -35,7 +36,8 @@ def run() -> int:
     if not loader and not pth:
         print("  -> nothing activates the guard in sglang's processes: pip install the package (not -e)")
     state = "active" if settings.active else f"inactive; set {config.ENABLE_VAR}=1 to enable"
-    print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value}")
+    print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value}; "
+          f"liveness: {'on' if settings.liveness else f'off (set {config.LIVENESS_VAR}=1 to check it)'}")
     unimported = import_pool_modules()
     entries = coverage()
     if isinstance(entries, str):
@@ -53,8 +55,22 @@ def run() -> int:
         print(f"{title}:" + ("" if rows else " none"))
         for row in rows:
             print(f"  {row.qualname:48} {row.reason}")
+    _print_allocators()
     if unimported:
         print("pool modules that do not import here (their classes are not listed):")
         for module, why in unimported.items():
             print(f"  {module}: {why[:150]}")
     return 0
+
+
+def _print_allocators() -> None:
+    """What the liveness guard wraps (when on), and which pools it cannot track."""
+    targets = allocator_targets()
+    if isinstance(targets, str):
+        print(f"liveness tracks nothing: {targets}")
+        return
+    methods, untracked = targets
+    print(f"liveness tracks ({len(methods)} allocator methods):")
+    for target in methods:
+        print(f"  {target.qualname:48} {target.role.value}")
+    print("liveness not tracked (bound check only): " + (", ".join(untracked) or "none"))

@@ -132,7 +132,7 @@ class Guard:
         state = self._state(pool, device)
         pages = -(-high // page)
         if state.live is None or state.live.page != page or state.live.flags.numel() != pages:
-            state.live = probe.Live(torch.zeros(pages, dtype=torch.uint8, device=device), page)
+            state.live = probe.new_live(pages, page, device)
         else:
             state.live.flags.zero_()
         state.live_high = high

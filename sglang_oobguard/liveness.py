@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 import torch
 
 from . import probe
-from .discover import pool_classes
+from .discover import by_design, pool_classes
 from .guard import Guard, PoolState
 from .report import free_site_id
 from .targets import (ALLOCATOR_BASE, ALLOCATOR_METHODS, ALLOCATOR_MODULE, POOL_OF_ALLOCATOR,
@@ -57,9 +57,12 @@ def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
     for cls in tracked:
         for name, role in ALLOCATOR_METHODS.items():
             owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
-            if owner is not None and (owner, name) not in methods:
-                original = owner.__dict__[name]
-                methods[owner, name] = AllocatorMethod(owner, name, getattr(original, "__wrapped__", original), role)
+            if owner is None or (owner, name) in methods:
+                continue
+            original = owner.__dict__[name]
+            original = getattr(original, "__wrapped__", original)
+            if not by_design(original):  # e.g. the token allocator's alloc_extend: raises, hands out nothing
+                methods[owner, name] = AllocatorMethod(owner, name, original, role)
     return list(methods.values()), [cls.__name__ for cls in classes if cls not in tracked]
 
 

@@ -20,8 +20,9 @@ value). Tests feed both paths the same `loc` and compare the records field by fi
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -60,6 +61,12 @@ class Live(NamedTuple):
 
     flags: torch.Tensor  # uint8, one per page of the pool's id space
     page: int  # ids per flag: the allocator's page size (1: per slot)
+    host: Optional[memoryview] = None  # a CPU shadow's memory: the host scan reads it without torch ops
+
+
+def new_live(pages: int, page: int, device: torch.device) -> Live:
+    flags = torch.zeros(pages, dtype=torch.uint8, device=device)
+    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()))
 
 
 def new_record(device: torch.device) -> torch.Tensor:
@@ -81,14 +88,32 @@ def _bad(flat: torch.Tensor, high: int, live: Live | None) -> torch.Tensor:
     return bad
 
 
-def _in_list(ids: list[int], high: int, live: Live | None) -> bool:
-    """The small-call fast path of `_bad(...).any() == False`, in plain Python."""
-    if not ids or (min(ids) >= 0 and max(ids) < high):
+def _all_live(ids: np.ndarray, live: Live) -> bool:
+    """Every id (already inside the bound) sits on a live page, or on page 0."""
+    assert live.host is not None
+    held = np.frombuffer(live.host, dtype=np.uint8)[ids if live.page == 1 else ids // live.page] != 0
+    return bool(held.all()) or bool((held | (ids < live.page)).all())
+
+
+def _clean(flat: torch.Tensor, high: int, live: Live | None) -> bool:
+    """The fast answer for a clean call: True when every id is in [0, high) and (with
+    `live`) on a live page; False means "scan it in full". Plain Python for a few ids,
+    numpy over the shadow's memory or one torch reduction for many."""
+    if live is not None and live.host is None:
+        return False
+    if flat.numel() <= _HOST_LIST_MAX:
+        ids = flat.tolist()
+        if ids and (min(ids) < 0 or max(ids) >= high):
+            return False
         if live is None:
             return True
-        flags, page = live.flags, live.page
-        return all(i < page or flags[i // page] for i in ids)
-    return False
+        host, page = live.host, live.page
+        return all(i < page or host[i // page] for i in ids)
+    if live is None:
+        lo, hi = torch.aminmax(flat)
+        return lo.item() >= 0 and hi.item() < high
+    ids = flat.numpy()
+    return bool(ids.min() >= 0 and ids.max() < high) and _all_live(ids, live)
 
 
 def scan_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
@@ -97,14 +122,8 @@ def scan_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
     `live`, on a live page). Host reads are fine here because `loc` already lives in
     host memory. With `lens`, only each row's valid prefix is written, and checked."""
     flat = loc if loc.dim() == 1 else loc.reshape(-1)
-    if lens is None:
-        if flat.numel() <= _HOST_LIST_MAX:
-            if _in_list(flat.tolist(), high, None if live is None else live._replace(flags=live.flags.numpy())):
-                return None
-        elif live is None:
-            lo, hi = torch.aminmax(flat)
-            if lo.item() >= 0 and hi.item() < high:
-                return None
+    if lens is None and _clean(flat, high, live):
+        return None
     bad = _bad(flat, high, live)
     if lens is not None:
         bad &= _written(loc, lens)

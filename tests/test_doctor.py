@@ -32,7 +32,9 @@ def test_doctor_lists_version_activation_mode_and_every_write_method():
     out = proc.stdout
     assert out.startswith(f"sglang {version('sglang')} (supported;")
     assert "entry point sglang.srt.plugins:oobguard registered" in out and ".pth import hook" in out
-    assert "mode: warn (active); backend: auto" in out
+    assert "mode: warn (active); backend: auto; liveness: off (set SGLANG_OOBGUARD_LIVENESS=1" in out
+    assert "  TokenToKVPoolAllocator.alloc " in out and "  PagedTokenToKVPoolAllocator.alloc_extend " in out
+    assert "liveness not tracked (bound check only): " in out and "SWATokenToKVPoolAllocator" in out
     expected = run_python(EXPECTED, {})
     rows = json.loads(expected.stdout.strip().splitlines()[-1])
     assert any(kind == "guarded" for *_, kind in rows)
@@ -50,3 +52,9 @@ def test_doctor_exits_non_zero_on_an_invalid_configuration():
     proc = run_python(DOCTOR, {"SGLANG_ENABLE_ASYNC_ASSERT": "maybe"})
     assert proc.returncode == 2
     assert "invalid SGLANG_ENABLE_ASYNC_ASSERT='maybe'" in proc.stdout
+
+
+def test_doctor_exits_non_zero_when_liveness_is_asked_for_with_the_guard_off():
+    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_LIVENESS": "1"})
+    assert proc.returncode == 2
+    assert "invalid SGLANG_OOBGUARD_LIVENESS='1'" in proc.stdout and "SGLANG_ENABLE_ASYNC_ASSERT=1" in proc.stdout
