@@ -14,8 +14,10 @@ layer writes (real sglang MHA pool, bf16, 8 KV heads x 128, 64 tokens) captured 
 CUDA graph, against the same step unguarded and with upstream's probe.
 Both probes run in strict form: upstream's two `torch._assert_async`, our kernel
 with its `tl.device_assert`. Targets: 1 launch; at most 1/3 of upstream's time in
-graph replay. With the liveness guard (not built yet) the expectation is one extra
-gather inside the same launch.
+graph replay. "ours+live" is the same probe with the liveness shadow
+(SGLANG_OOBGUARD_LIVENESS=1): the expectation is one extra byte gather per id inside
+the same launch, so still 1 launch and a graph time close to ours; the decode step
+adds the same variant with every slot handed out by sglang's own allocator.
 """
 
 from __future__ import annotations
@@ -103,26 +105,31 @@ def probe_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
 
     os.environ["SGLANG_ENABLE_ASYNC_ASSERT"] = "1"  # upstream's probe is gated on it
     record = probe.new_record(device)
+    live = probe.new_live(HIGH, 1, torch.device(device))
+    live.flags.fill_(1)
     message = "sglang_oobguard: set_kv_buffer (MHA): KV slot id outside [0, 65537)"
     rows = []
     for n in (1, 64, 1024, 8192):
         loc = torch.randint(1, SIZE, (n,), device=device)
         ours = lambda: probe.launch(loc, HIGH, 0, 0, record, message)  # noqa: E731
         theirs = lambda: maybe_detect_oob(loc, 0, HIGH, "set_kv_buffer (MHA)")  # noqa: E731
+        with_live = lambda: probe.launch(loc, HIGH, 0, 0, record, message, live=live)  # noqa: E731
         calls, in_graph = (3, 2) if dry else (2000, 200)
 
         def graphed(fn: Callable[[], None]) -> Callable[[], None]:
             return clock.graph(lambda: [fn() for _ in range(in_graph)])
 
-        g_ours, g_theirs = graphed(ours), graphed(theirs)
+        g_ours, g_theirs, g_live = graphed(ours), graphed(theirs), graphed(with_live)
         rows.append({
             "n": n,
             "launches_ours": clock.launches(ours, 3 if dry else 20),
             "launches_theirs": clock.launches(theirs, 3 if dry else 20),
+            "launches_live": clock.launches(with_live, 3 if dry else 20),
             "eager_ours": clock.time_us(ours, calls),
             "eager_theirs": clock.time_us(theirs, calls),
             "graph_ours": clock.time_us(g_ours, 2 if dry else 20) / in_graph,
             "graph_theirs": clock.time_us(g_theirs, 2 if dry else 20) / in_graph,
+            "graph_live": clock.time_us(g_live, 2 if dry else 20) / in_graph,
         })
     os.environ.pop("SGLANG_ENABLE_ASYNC_ASSERT")
     return rows
@@ -130,6 +137,7 @@ def probe_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
 
 def decode_rows(clock: Clock, device: str, dry: bool) -> dict:
     import sglang_oobguard
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     layers = 4 if dry else LAYERS
@@ -143,11 +151,16 @@ def decode_rows(clock: Clock, device: str, dry: bool) -> dict:
             pool.set_kv_buffer(layer, loc, k, k)
 
     out = {"layers": layers}
-    for variant in ("unguarded", "ours", "upstream"):
+    for variant in ("unguarded", "ours", "upstream", "liveness"):
         os.environ.pop("SGLANG_ENABLE_ASYNC_ASSERT", None)
         sglang_oobguard.uninstall()
         if variant == "ours":
             sglang_oobguard.install("strict")
+        elif variant == "liveness":
+            os.environ["SGLANG_OOBGUARD_LIVENESS"] = "1"
+            sglang_oobguard.install("strict")
+            os.environ.pop("SGLANG_OOBGUARD_LIVENESS")
+            TokenToKVPoolAllocator(SIZE, torch.bfloat16, device, pool, False).alloc(SIZE)  # every slot live
         elif variant == "upstream":
             os.environ["SGLANG_ENABLE_ASYNC_ASSERT"] = "1"
         replay = clock.graph(step)  # the guard's code runs at capture; replays are pure device work
@@ -173,18 +186,20 @@ def main() -> int:
     clock = Clock(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: numbers are meaningless)"
     print(f"GPU probe benchmark on {name}, torch {torch.__version__}\n")
-    print("| N | launches ours | launches upstream | eager ours | eager upstream | graph ours | graph upstream "
-          "| graph ours/upstream |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N | launches ours | launches upstream | launches ours+live | eager ours | eager upstream | graph ours "
+          "| graph upstream | graph ours/upstream | graph ours+live | ours+live/ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in probe_rows(clock, device, args.dry_run):
         ratio = r["graph_ours"] / r["graph_theirs"]
-        print(f"| {r['n']} | {r['launches_ours']:.2f} | {r['launches_theirs']:.2f} | {r['eager_ours']:.2f} us "
-              f"| {r['eager_theirs']:.2f} us | {r['graph_ours']:.2f} us | {r['graph_theirs']:.2f} us "
-              f"| {ratio:.2f}x ({'meets' if ratio <= 1 / 3 else 'MISSES'} <= 0.33x) |")
+        print(f"| {r['n']} | {r['launches_ours']:.2f} | {r['launches_theirs']:.2f} | {r['launches_live']:.2f} "
+              f"| {r['eager_ours']:.2f} us | {r['eager_theirs']:.2f} us | {r['graph_ours']:.2f} us "
+              f"| {r['graph_theirs']:.2f} us | {ratio:.2f}x ({'meets' if ratio <= 1 / 3 else 'MISSES'} <= 0.33x) "
+              f"| {r['graph_live']:.2f} us | {r['graph_live'] / r['graph_ours']:.2f}x |")
     d = decode_rows(clock, device, args.dry_run)
     print(f"\nDecode step in a CUDA graph ({d['layers']} layer writes, {DECODE_TOKENS} tokens): unguarded "
           f"{d['unguarded']:.1f} us; ours +{(d['ours'] / d['unguarded'] - 1) * 100:.1f}%; upstream "
-          f"+{(d['upstream'] / d['unguarded'] - 1) * 100:.1f}%")
+          f"+{(d['upstream'] / d['unguarded'] - 1) * 100:.1f}%; ours with liveness "
+          f"+{(d['liveness'] / d['unguarded'] - 1) * 100:.1f}%")
     return 0
 
 

@@ -89,3 +89,25 @@ def test_cuda_graph_replay_checks_again(mp, guard):
     graph.replay()
     with pytest.raises(KVOutOfBoundsError, match=r"loc\[2\] = 99"):
         sglang_oobguard.check()
+
+
+def test_liveness_on_cuda_catches_a_freed_slot_in_the_probe_and_in_a_graph(mp, guard):
+    """One launch checks bound and liveness; a graph replay re-reads the shadow."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    guard("raise", poll_every=1000, liveness=True)
+    pool = cuda_pool(mp)
+    alloc = TokenToKVPoolAllocator(pool.size, torch.bfloat16, "cuda", pool, False)
+    loc = alloc.alloc(3)
+    k = kv(3)
+    graph = torch.cuda.CUDAGraph()
+    pool.set_kv_buffer(Layer(1), loc, k, k)
+    with torch.cuda.graph(graph):
+        pool.set_kv_buffer(Layer(1), loc, k, k)
+    graph.replay()
+    sglang_oobguard.check()
+    freed = int(loc[2])
+    alloc.free(loc[2:])
+    graph.replay()  # the same captured write, now to a freed slot
+    with pytest.raises(KVOutOfBoundsError, match=rf"layer 1: loc\[2\] = {freed} is not allocated \(freed\)"):
+        sglang_oobguard.check()

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sglang_oobguard
 from helpers import Layer, mha
 from sglang_oobguard import guard as guard_mod
-from sglang_oobguard import probe
+from sglang_oobguard import liveness, probe
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
@@ -51,6 +51,28 @@ def test_guarded_writes_issue_no_host_sync(mp, guard):
     assert "aten.index_put_.default" in log.ops  # the log saw the writes themselves
 
 
+def test_liveness_alloc_free_and_writes_issue_no_host_sync(mp, guard):
+    """The allocator side too: marking handed-out slots, checking and releasing a free,
+    and the write probe's gather are device ops (sglang's token allocator adds none)."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    guard("raise", backend="triton", poll_every=1000, liveness=True)
+    pool = mha(mp)
+    alloc = TokenToKVPoolAllocator(pool.size, torch.float32, "cpu", pool, False)
+    k = torch.zeros(3, 2, 4)
+    with OpLog() as log:
+        loc = alloc.alloc(3)
+        pool.set_kv_buffer(Layer(0), loc, k, k)
+        alloc.free(loc[1:2])
+        pool.set_kv_buffer(Layer(0), loc.clone(), k, k)  # loc[1] freed: recorded, contained
+        alloc.free(loc[1:2])  # a double free: recorded
+    assert not SYNCING & set(log.ops), sorted(SYNCING & set(log.ops))
+    assert "aten.index_fill_.int_Scalar" in log.ops  # the log saw the shadow's update
+    with pytest.raises(sglang_oobguard.KVOutOfBoundsError, match=r"loc\[1\] = 2 is not allocated \(freed\)"):
+        sglang_oobguard.check()
+    assert probe.read(pool._oobguard_state.record).calls == 2
+
+
 def test_host_scan_is_what_would_sync(mp):
     """The dispatch check can fail: the CPU host path does read values."""
     with OpLog() as log:
@@ -59,7 +81,8 @@ def test_host_scan_is_what_would_sync(mp):
 
 
 HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard._poll, guard_mod.Guard._state,
-            guard_mod.make_wrapper, guard_mod._layer_id, probe.launch]
+            guard_mod.make_wrapper, guard_mod._layer_id, probe.launch, guard_mod.Guard.check_free,
+            guard_mod.Guard._launched, probe.launch_free, probe.mark, liveness.make_wrapper]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 
