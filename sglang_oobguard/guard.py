@@ -103,9 +103,11 @@ class Guard:
                      lens, live)
         self._launched(state)
 
-    def check_free(self, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool) -> None:
+    def check_free(self, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool) -> Optional[torch.Tensor]:
         """Check one real free against the shadow (every id must be live), then clear
-        the flags of what it gives back. `in_pages`: the ids are page ids."""
+        the flags of what it gives back. `in_pages`: the ids are page ids. Returns
+        the ids to free instead, when warn mode contains a bad free on the host (the
+        live ones only); None: free `ids` as they are."""
         live = state.live
         assert live is not None
         high = state.live_high
@@ -113,13 +115,16 @@ class Guard:
             live, high = live._replace(page=1), live.flags.numel()
         if self._on_host(ids):
             finding = probe.scan_free(ids, high, live)
+            contained = None
             if finding is not None:  # strict and raise: raised before the allocator took the ids
                 self._on_host_finding(state, finding, site, -1, high, ids.numel())
+                contained = probe.live_only(ids, high, live)
             probe.release_host(ids, high, live)
-            return
+            return contained
         strict_gpu = self.strict and ids.is_cuda
         probe.launch_free(ids, high, site, state.record, live, self._message(site, high) if strict_gpu else None)
         self._launched(state)
+        return None
 
     def _launched(self, state: PoolState) -> None:
         state.since_poll += 1

@@ -109,12 +109,21 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         if outer is not None and outer[0] is instance and outer[1] == family:
             return wrapped(*args, **kwargs)  # the inner half of a free we count already
         if role is Role.GROUP_END:
-            for page_ids in list(getattr(instance, "free_page_ids_group", None) or ()):
-                guard.check_free(state, site_of(type(instance)), page_ids, in_pages=True)
+            group = getattr(instance, "free_page_ids_group", None) or []
+            for i, page_ids in enumerate(group):
+                contained = guard.check_free(state, site_of(type(instance)), page_ids, in_pages=True)
+                if contained is not None:
+                    group[i] = contained
         else:
-            ids = args[0] if args else next(iter(kwargs.values()), None)
+            given = bool(args)
+            ids = args[0] if given else next(iter(kwargs.values()), None)
             if isinstance(ids, torch.Tensor) and ids.numel() and _releases_now(instance):
-                guard.check_free(state, site_of(type(instance)), ids, in_pages=role is Role.FREE_PAGES)
+                contained = guard.check_free(state, site_of(type(instance)), ids, in_pages=role is Role.FREE_PAGES)
+                if contained is not None:  # warn mode on the host: only the live ids go back
+                    if given:
+                        args = (contained, *args[1:])
+                    else:
+                        kwargs = {**kwargs, next(iter(kwargs)): contained}
         guard.freeing = (instance, family)
         try:
             return wrapped(*args, **kwargs)

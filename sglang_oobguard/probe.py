@@ -66,7 +66,7 @@ class Live(NamedTuple):
 
 def new_live(pages: int, page: int, device: torch.device) -> Live:
     flags = torch.zeros(pages, dtype=torch.uint8, device=device)
-    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()))
+    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()))  # type: ignore[arg-type]
 
 
 def new_record(device: torch.device) -> torch.Tensor:
@@ -99,16 +99,17 @@ def _clean(flat: torch.Tensor, high: int, live: Live | None) -> bool:
     """The fast answer for a clean call: True when every id is in [0, high) and (with
     `live`) on a live page; False means "scan it in full". Plain Python for a few ids,
     numpy over the shadow's memory or one torch reduction for many."""
-    if live is not None and live.host is None:
+    host = None if live is None else live.host
+    if live is not None and host is None:
         return False
     if flat.numel() <= _HOST_LIST_MAX:
-        ids = flat.tolist()
-        if ids and (min(ids) < 0 or max(ids) >= high):
+        few = flat.tolist()
+        if few and (min(few) < 0 or max(few) >= high):
             return False
-        if live is None:
+        if live is None or host is None:
             return True
-        host, page = live.host, live.page
-        return all(i < page or host[i // page] for i in ids)
+        page = live.page
+        return all(i < page or host[i // page] for i in few)
     if live is None:
         lo, hi = torch.aminmax(flat)
         return lo.item() >= 0 and hi.item() < high
@@ -156,6 +157,14 @@ def scan_free(ids: torch.Tensor, high: int, live: Live) -> Finding | None:
         return None
     pos = int(bad.to(torch.uint8).argmax())
     return Finding(int(bad.sum()), pos, int(flat[pos]))
+
+
+def live_only(ids: torch.Tensor, high: int, live: Live) -> torch.Tensor:
+    """A free's containment (warn mode, host path): only the ids in [0, high) on a
+    live page, so the allocator's free list never takes a slot twice."""
+    flat = ids.reshape(-1)
+    inside = (flat >= 0) & (flat < high)
+    return flat[inside & (live.flags[flat.clamp(0, high - 1) // live.page] != 0)]
 
 
 def release_host(ids: torch.Tensor, high: int, live: Live) -> None:

@@ -250,3 +250,19 @@ def test_restore_state_gives_back_what_was_handed_out_since_backup(mp, allocator
     write(pool, kept)
     with pytest.raises(KVOutOfBoundsError, match=rf"loc\[0\] = {int(draft[0])} is not allocated"):
         write(pool, draft)
+
+
+def test_warn_mode_contains_a_double_free_on_the_host(mp, allocators, guard, caplog):
+    """Only the live ids reach the free list, so no slot is ever handed out twice."""
+    guard("warn", liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(3)
+    alloc.free(loc[1:2])
+    before = alloc.available_size()
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        alloc.free(free_index=loc.clone())
+    assert alloc.available_size() == before + 2  # loc[0] and loc[2]; loc[1] not again
+    assert f"free_index[1] = {int(loc[1])} is not allocated (double free)" in caplog.text
+    handed = alloc.alloc(alloc.available_size())
+    assert len(set(handed.tolist())) == handed.numel()
