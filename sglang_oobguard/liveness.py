@@ -115,7 +115,7 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
                 if contained is not None:
                     group[i] = contained
         else:
-            given = bool(args)
+            given = len(args) > 0
             ids = args[0] if given else next(iter(kwargs.values()), None)
             if isinstance(ids, torch.Tensor) and ids.numel() and _releases_now(instance):
                 contained = guard.check_free(state, site_of(type(instance)), ids, in_pages=role is Role.FREE_PAGES)
