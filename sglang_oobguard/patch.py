@@ -63,8 +63,8 @@ def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], 
     _check_backend(config)
     if _guard is not None:  # already installed: same wrappers, new settings
         _guard.configure(config)
-        if config.liveness and not any(isinstance(entry, AllocatorMethod) for entry in _installed):
-            _track_allocators()
+        if config.liveness != any(isinstance(entry, AllocatorMethod) for entry in _installed):
+            _track_allocators() if config.liveness else _untrack_allocators()
         return tuple(_installed)
     ensure_visible()
     base = base_class()
@@ -120,6 +120,24 @@ def _track_allocators() -> None:
                        ", ".join(untracked))
 
 
+def _untrack_allocators() -> None:
+    """Liveness turned off by a later install(): unwrap the allocators and forget the
+    shadows, which from now on would miss what the allocators hand out."""
+    assert _guard is not None
+    _restore([entry for entry in _installed if isinstance(entry, AllocatorMethod)])
+    _installed[:] = [entry for entry in _installed if not isinstance(entry, AllocatorMethod)]
+    for state in list(_guard.states):
+        state.live = None
+
+
+def _restore(entries: list[Union[Found, AllocatorMethod]]) -> None:
+    """Put back the original of each entry that still holds our wrapper."""
+    for entry in entries:
+        current = entry.owner.__dict__.get(entry.method)
+        if getattr(current, "__wrapped__", None) is entry.original:
+            setattr(entry.owner, entry.method, entry.original)
+
+
 def _hook_new_classes(base: type) -> None:
     """Guard each pool class sglang defines from now on, as its class body completes."""
     global _hooked
@@ -166,10 +184,7 @@ def _check_backend(config: config_mod.Config) -> None:
 def uninstall() -> None:
     """Put every original object back; a no-op when not installed."""
     global _guard, _hooked
-    for found in _installed:
-        current = found.owner.__dict__.get(found.method)
-        if getattr(current, "__wrapped__", None) is found.original:
-            setattr(found.owner, found.method, found.original)
+    _restore(_installed)
     _installed.clear()
     for module, original in _upstream.values():
         if getattr(module.__dict__.get(UPSTREAM_PROBE), "__wrapped__", None) is original:

@@ -266,3 +266,25 @@ def test_warn_mode_contains_a_double_free_on_the_host(mp, allocators, guard, cap
     assert f"free_index[1] = {int(loc[1])} is not allocated (double free)" in caplog.text
     handed = alloc.alloc(alloc.available_size())
     assert len(set(handed.tolist())) == handed.numel()
+
+
+def test_a_later_install_turns_liveness_off_and_on_without_stale_shadows(mp, allocators, guard, monkeypatch):
+    cls = allocators.TokenToKVPoolAllocator
+    guard("raise", liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(2)
+    monkeypatch.setenv("SGLANG_OOBGUARD_LIVENESS", "0")
+    sglang_oobguard.install("raise")  # a second install() reconfigures the same guard
+    assert not hasattr(vars(cls)["alloc"], "__wrapped__")  # unwrapped
+    alloc.free(loc)
+    alloc.free(loc)  # no liveness: not checked
+    write(pool, torch.tensor([7]))
+    monkeypatch.setenv("SGLANG_OOBGUARD_LIVENESS", "1")
+    sglang_oobguard.install("raise")
+    assert hasattr(vars(cls)["alloc"], "__wrapped__")
+    write(pool, torch.tensor([7]))  # the old pool's shadow was dropped: no false report
+    fresh = mha(mp, SIZE)
+    token_allocator(allocators, fresh)
+    with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
+        write(fresh, torch.tensor([7]))
