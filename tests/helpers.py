@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -48,6 +49,19 @@ class Layer:
 # The six sites: (label, class, method, pool factory, payload factory).
 def mha(mp, size=64, page_size=1, dtype=torch.float32):
     return mp.MHATokenToKVPool(size, page_size, dtype, 2, 4, 4, "cpu", False)
+
+
+def token_allocator(allocators, pool):
+    """sglang's TokenToKVPoolAllocator over `pool` (0.4.x has no need_sort)."""
+    cls = allocators.TokenToKVPoolAllocator
+    extra = (False,) if "need_sort" in inspect.signature(cls).parameters else ()
+    return cls(pool.size, torch.float32, str(pool.device), pool, *extra)
+
+
+def paged_allocator(allocators, pool):
+    cls = allocators.PagedTokenToKVPoolAllocator
+    extra = (False,) if "need_sort" in inspect.signature(cls).parameters else ()
+    return cls(pool.size, pool.page_size, torch.float32, str(pool.device), pool, *extra)
 
 
 def site_cases(mp):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, run_python
+from helpers import Layer, run_python, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -93,11 +93,11 @@ def test_cuda_graph_replay_checks_again(mp, guard):
 
 def test_liveness_on_cuda_catches_a_freed_slot_in_the_probe_and_in_a_graph(mp, guard):
     """One launch checks bound and liveness; a graph replay re-reads the shadow."""
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache import allocator
 
     guard("raise", poll_every=1000, liveness=True)
     pool = cuda_pool(mp)
-    alloc = TokenToKVPoolAllocator(pool.size, torch.bfloat16, "cuda", pool, False)
+    alloc = token_allocator(allocator, pool)
     loc = alloc.alloc(3)
     k = kv(3)
     graph = torch.cuda.CUDAGraph()

@@ -4,14 +4,13 @@ alloc / free / re-alloc life of a slot is clean."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, mha
+from helpers import Layer, mha, paged_allocator, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 SIZE = 64
@@ -22,19 +21,6 @@ def allocators():
     from sglang.srt.mem_cache import allocator
 
     return allocator
-
-
-def token_allocator(allocators, pool):
-    """sglang's TokenToKVPoolAllocator over `pool` (0.4.x has no need_sort)."""
-    cls = allocators.TokenToKVPoolAllocator
-    extra = (False,) if "need_sort" in inspect.signature(cls).parameters else ()
-    return cls(pool.size, torch.float32, "cpu", pool, *extra)
-
-
-def paged_allocator(allocators, pool):
-    cls = allocators.PagedTokenToKVPoolAllocator
-    extra = (False,) if "need_sort" in inspect.signature(cls).parameters else ()
-    return cls(pool.size, pool.page_size, torch.float32, "cpu", pool, *extra)
 
 
 def write(pool, loc, layer=3):

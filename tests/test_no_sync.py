@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sglang_oobguard
-from helpers import Layer, mha
+from helpers import Layer, mha, token_allocator
 from sglang_oobguard import guard as guard_mod
 from sglang_oobguard import liveness, probe
 
@@ -54,11 +54,11 @@ def test_guarded_writes_issue_no_host_sync(mp, guard):
 def test_liveness_alloc_free_and_writes_issue_no_host_sync(mp, guard):
     """The allocator side too: marking handed-out slots, checking and releasing a free,
     and the write probe's gather are device ops (sglang's token allocator adds none)."""
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache import allocator
 
     guard("raise", backend="triton", poll_every=1000, liveness=True)
     pool = mha(mp)
-    alloc = TokenToKVPoolAllocator(pool.size, torch.float32, "cpu", pool, False)
+    alloc = token_allocator(allocator, pool)
     k = torch.zeros(3, 2, 4)
     with OpLog() as log:
         loc = alloc.alloc(3)
