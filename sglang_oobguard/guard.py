@@ -19,7 +19,6 @@ import torch
 from . import probe
 from .config import Backend, Config, Mode
 from .discover import Found
-from .targets import TOKEN_SLOTS
 from .report import Reporter, Violation, free_param, is_site_label, site_label
 
 STATE_ATTR = "_oobguard_state"
@@ -81,14 +80,16 @@ class Guard:
         return self.scan_cpu
 
     def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, call: Call,
-                    lens: Optional[torch.Tensor] = None, in_slots: bool = False) -> None:
+                    lens: Optional[torch.Tensor] = None) -> None:
         """Probe one write. `call` is read for the layer id only when it is needed.
-        `in_slots`: the ids are the pool's token slots, which the liveness shadow
-        (when there is one) also checks."""
+        With liveness on, ids checked against the pool's token-slot bound (the space
+        its shadow covers; MLA's DCP bound too when its span is 1) are also checked
+        against the shadow."""
         live = None
-        if in_slots and self.liveness:
+        if self.liveness:
             state = pool.__dict__.get(STATE_ATTR)
-            live = None if state is None else state.live
+            if state is not None and state.live_high == high:
+                live = state.live
         if self._on_host(loc):
             finding = probe.scan_host(loc, high, lens, live)
             if finding is not None:
@@ -217,7 +218,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     unified pools require the original). A nested call on the same pool and method
     with the same ids object, i.e. a super() call, is not probed again."""
     method = found.method
-    specs = tuple((ids.position, name, ids.bound.high, site, ids.bound is TOKEN_SLOTS)
+    specs = tuple((ids.position, name, ids.bound.high, site)
                   for ids, name, site in zip(found.rule.ids, found.id_names, found.sites))
     head_at, head_name = specs[0][0], specs[0][1]
     lens_at = found.rule.lens
@@ -231,11 +232,11 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         guard.current = (instance, method, head)
         try:
             lens = None if lens_at is None else _arg(args, kwargs, lens_at, "commit_lens")
-            for position, name, high, site, in_slots in specs:
+            for position, name, high, site in specs:
                 value = args[position] if len(args) > position else kwargs.get(name)
                 loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
                 if loc is not None:
-                    check(instance, site, loc, high(instance), (args, kwargs, found), lens, in_slots)
+                    check(instance, site, loc, high(instance), (args, kwargs, found), lens)
             return wrapped(*args, **kwargs)
         finally:
             guard.current = outer

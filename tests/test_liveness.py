@@ -5,12 +5,13 @@ alloc / free / re-alloc life of a slot is clean."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, mha, paged_allocator, token_allocator
+from helpers import Layer, as_write_loc, mha, needs, paged_allocator, site_cases, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 SIZE = 64
@@ -274,3 +275,21 @@ def test_a_later_install_turns_liveness_off_and_on_without_stale_shadows(mp, all
     token_allocator(allocators, fresh)
     with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
         write(fresh, torch.tensor([7]))
+
+
+@pytest.mark.parametrize("label", list(site_cases(None)))
+def test_every_upstream_site_checks_liveness(mp, allocators, guard, label):
+    """MHA, MLA (set_mla_kv_buffer's DCP bound is the token-slot bound at span 1) and FP4
+    pools alike: a write to a slot the allocator took back is caught before sglang's
+    own write code runs."""
+    if "FP4" in label:
+        needs(mp, "MHATokenToKVPoolFP4", "0.5.8")
+    make, method, payload = site_cases(mp)[label]
+    guard("raise", liveness=True)
+    pool = make()
+    alloc = token_allocator(allocators, pool)
+    loc = alloc.alloc(2)
+    alloc.free(loc[1:])
+    with pytest.raises(KVOutOfBoundsError, match=rf"^{re.escape(label)} layer 1: loc\[1\] = {int(loc[1])} "
+                                                 r"is not allocated \(freed\)"):
+        getattr(pool, method)(Layer(1), as_write_loc(mp, loc.clone()), *payload(2))
