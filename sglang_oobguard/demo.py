@@ -1,15 +1,19 @@
 """`python -m sglang_oobguard demo`: a stale slot id written into a real sglang KV pool
-on this machine, first unguarded (the damage), then guarded (the report).
+on this machine, first unguarded (the damage), then guarded (the report), then a slot
+written after sglang's own allocator took it back (the liveness guard).
 `demo --engine` tells the same story in the real sglang Engine on the CPU."""
 
 from __future__ import annotations
 
+import inspect
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from . import patch
+from .config import LIVENESS_VAR
 from .report import KVOutOfBoundsError
 
 SIZE, PAGE = 64, 1
@@ -32,6 +36,14 @@ def _write(pool, ids: list[int]) -> torch.Tensor:
     k = torch.full((len(ids), 2, 4), 7.0)
     pool.set_kv_buffer(_Layer, torch.tensor(ids), k, k)
     return k
+
+
+def _allocator(pool):
+    """sglang's own token allocator over `pool` (0.4.x takes no need_sort)."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+    extra = (False,) if "need_sort" in inspect.signature(TokenToKVPoolAllocator).parameters else ()
+    return TokenToKVPoolAllocator(SIZE, torch.float32, "cpu", pool, *extra)
 
 
 def _rows_written(pool) -> list[int]:
@@ -82,10 +94,38 @@ def run() -> int:
         print(f"   rows written: {rows}  <- bad ids went to padding slot 0; row {HIGH - 1} intact")
         ok &= rows == [0, 5, 6]
         print(f"   sglang_oobguard.violations(): {[str(v) for v in patch.violations()]}")
+        ok &= _liveness_story()
     finally:
         patch.uninstall()
+        os.environ.pop(LIVENESS_VAR, None)
     print("\nDemo " + ("finished as described." if ok else "did NOT behave as described."))
     return 0 if ok else 1
+
+
+def _liveness_story() -> bool:
+    patch.uninstall()
+    os.environ[LIVENESS_VAR] = "1"
+    patch.install("raise")
+    print(f"\n5. {LIVENESS_VAR}=1 (raise): sglang's allocator hands out 3 slots and takes the last one back;\n"
+          "   a stale write to it is in range, so no bound check can see it:")
+    pool = _pool()
+    allocator = _allocator(pool)
+    loc = allocator.alloc(3)
+    allocator.free(loc[2:])
+    caught = 0
+    try:
+        _write(pool, loc.tolist())
+    except KVOutOfBoundsError as exc:
+        print(f"   KVOutOfBoundsError: {exc}")
+        caught += 1
+    try:
+        allocator.free(loc[2:])
+    except KVOutOfBoundsError as exc:
+        print(f"   and freeing it again: KVOutOfBoundsError: {exc}")
+        caught += 1
+    rows = _rows_written(pool)
+    print(f"   rows written: {rows or 'none'}  <- rejected before anything was written")
+    return caught == 2 and rows == []
 
 
 _STEPS = "step=3,token=1"
@@ -128,7 +168,7 @@ def run_engine_story() -> int:
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", "OOBGUARD_FAULT": f"{_STEPS},value=-1"})
     served = bool(run.result) and all(len(t) == 16 for t in run.result.get("outputs", []))
     print(f"4. SGLANG_OOBGUARD_MODE=warn: contained and served ({'all 4 requests completed' if served else 'FAILED'}):"
-          f"\n   {_first(run.log, 'sglang_oobguard: KV write')}")
+          f"\n   {_first(run.log, 'sglang_oobguard: bad KV slot ids')}")
     ok &= served
     print("\nEngine demo " + ("finished as described." if ok else "did NOT behave as described."))
     return 0 if ok else 1
