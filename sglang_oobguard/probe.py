@@ -190,9 +190,22 @@ def fold_host(record: torch.Tensor, finding: Finding, site: int, layer: int, hig
 
 
 @triton.jit
-def _fold(record_ptr, total, pos, value, n, high, site, layer):
-    """Fold one call's tally into the record: running totals, and the first
-    violation's details. Offsets follow Record's fields."""
+def _tally(bad, wide, offs, n, bad_count, first_pos, first_val):
+    """Fold one block into the per-lane tallies: bad ids, and the first one's place and value."""
+    fresh = bad & (first_pos == n)
+    return bad_count + bad.to(tl.int64), tl.where(fresh, offs, first_pos), tl.where(fresh, wide, first_val)
+
+
+@triton.jit
+def _conclude(record_ptr, bad_count, first_pos, first_val, n, high, site, layer,
+              ASSERT: tl.constexpr, MESSAGE: tl.constexpr):
+    """Reduce the tallies once, assert (strict on a GPU), and fold the call into the
+    record: running totals, and the first violation's details. Offsets follow Record's fields."""
+    total = tl.sum(bad_count, axis=0)
+    pos = tl.min(first_pos, axis=0)
+    value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
+    if ASSERT:
+        tl.device_assert(total == 0, MESSAGE)
     hit = total > 0
     calls = tl.load(record_ptr + 1)
     first = hit & (calls == 0)
@@ -253,17 +266,9 @@ def _oob_probe_kernel(
             held = inside & ~bad & (wide >= live_page)
             flag = tl.load(live_ptr + wide // live_page, mask=held, other=1)
             bad = bad | (held & (flag == 0))
-        bad_count += bad.to(tl.int64)
-        fresh = bad & (first_pos == n)
-        first_val = tl.where(fresh, wide, first_val)
-        first_pos = tl.where(fresh, offs, first_pos)
+        bad_count, first_pos, first_val = _tally(bad, wide, offs, n, bad_count, first_pos, first_val)
         tl.store(ptrs, tl.zeros_like(ids), mask=bad)  # containment
-    total = tl.sum(bad_count, axis=0)
-    pos = tl.min(first_pos, axis=0)
-    value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
-    if ASSERT:
-        tl.device_assert(total == 0, MESSAGE)
-    _fold(record_ptr, total, pos, value, n, high, site, layer)
+    _conclude(record_ptr, bad_count, first_pos, first_val, n, high, site, layer, ASSERT, MESSAGE)
 
 
 PROBE_BLOCK = 1024
@@ -332,16 +337,8 @@ def _free_probe_kernel(
         outside = (wide < 0) | (wide >= high)
         flag = tl.load(live_ptr + wide // live_page, mask=inside & ~outside, other=0)
         bad = inside & (outside | (flag == 0))
-        bad_count += bad.to(tl.int64)
-        fresh = bad & (first_pos == n)
-        first_val = tl.where(fresh, wide, first_val)
-        first_pos = tl.where(fresh, offs, first_pos)
-    total = tl.sum(bad_count, axis=0)
-    pos = tl.min(first_pos, axis=0)
-    value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
-    if ASSERT:
-        tl.device_assert(total == 0, MESSAGE)
-    _fold(record_ptr, total, pos, value, n, high, site, layer)
+        bad_count, first_pos, first_val = _tally(bad, wide, offs, n, bad_count, first_pos, first_val)
+    _conclude(record_ptr, bad_count, first_pos, first_val, n, high, site, layer, ASSERT, MESSAGE)
     tl.debug_barrier()  # every flag read above before any is cleared below
     for start in range(0, n, BLOCK):
         offs = start + lanes
