@@ -79,13 +79,22 @@ def _written(loc: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return (cols[None, :] < lens.to(loc.device, torch.int64)[:, None]).reshape(-1)
 
 
-def _bad(flat: torch.Tensor, high: int, live: Live | None) -> torch.Tensor:
-    """Per id: outside [0, high), or (with a shadow) inside on a page that is not live."""
+def _bad(flat: torch.Tensor, high: int, live: Live | None, padding_ok: bool = True) -> torch.Tensor:
+    """Per id: outside [0, high), or (with a shadow) inside on a page that is not live.
+    `padding_ok`: page 0 passes (a write may target it; a free may not)."""
     bad = (flat < 0) | (flat >= high)
     if live is not None:
-        pages = flat.clamp(0, high - 1) // live.page
-        bad |= (flat >= live.page) & (live.flags.to(flat.device)[pages] == 0) & ~bad
+        dead = ~bad & (live.flags.to(flat.device)[flat.clamp(0, high - 1) // live.page] == 0)
+        bad |= dead & (flat >= live.page) if padding_ok else dead
     return bad
+
+
+def _finding(flat: torch.Tensor, bad: torch.Tensor) -> Finding | None:
+    """How many ids are bad, and the first one: what a record keeps of a call."""
+    if not bool(bad.any()):
+        return None
+    pos = int(bad.to(torch.uint8).argmax())
+    return Finding(int(bad.sum()), pos, int(flat[pos]))
 
 
 def _all_live(ids: np.ndarray, live: Live) -> bool:
@@ -128,10 +137,7 @@ def scan_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
     bad = _bad(flat, high, live)
     if lens is not None:
         bad &= _written(loc, lens)
-    if not bool(bad.any()):
-        return None
-    pos = int(bad.to(torch.uint8).argmax())
-    return Finding(int(bad.sum()), pos, int(flat[pos]))
+    return _finding(flat, bad)
 
 
 def contain_host(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
@@ -151,20 +157,14 @@ def mark(live: Live, ids: torch.Tensor) -> None:
 def scan_free(ids: torch.Tensor, high: int, live: Live) -> Finding | None:
     """The host check of a free: None when every id is in [0, high) on a live page."""
     flat = ids.reshape(-1)
-    bad = (flat < 0) | (flat >= high)
-    bad |= ~bad & (live.flags[flat.clamp(0, high - 1) // live.page] == 0)
-    if not bool(bad.any()):
-        return None
-    pos = int(bad.to(torch.uint8).argmax())
-    return Finding(int(bad.sum()), pos, int(flat[pos]))
+    return _finding(flat, _bad(flat, high, live, padding_ok=False))
 
 
 def live_only(ids: torch.Tensor, high: int, live: Live) -> torch.Tensor:
     """A free's containment (warn mode, host path): only the ids in [0, high) on a
     live page, so the allocator's free list never takes a slot twice."""
     flat = ids.reshape(-1)
-    inside = (flat >= 0) & (flat < high)
-    return flat[inside & (live.flags[flat.clamp(0, high - 1) // live.page] != 0)]
+    return flat[~_bad(flat, high, live, padding_ok=False)]
 
 
 def release_host(ids: torch.Tensor, high: int, live: Live) -> None:

@@ -293,3 +293,12 @@ def test_every_upstream_site_checks_liveness(mp, allocators, guard, label):
     with pytest.raises(KVOutOfBoundsError, match=rf"^{re.escape(label)} layer 1: loc\[1\] = {int(loc[1])} "
                                                  r"is not allocated \(freed\)"):
         getattr(pool, method)(Layer(1), as_write_loc(mp, loc.clone()), *payload(2))
+
+
+def test_freeing_the_padding_slot_is_reported(mp, allocators, guard, backend):
+    """Slot 0 may be written (padding rows) but is never handed out, so never freed."""
+    guard("raise", backend, liveness=True)
+    pool = mha(mp, SIZE)
+    alloc = token_allocator(allocators, pool)
+    err = caught(backend, lambda: alloc.free(torch.tensor([0])))
+    assert "free_index[0] = 0 is not allocated (double free)" in str(err)
