@@ -25,17 +25,11 @@ POOL_PACKAGES = ("sglang.srt.mem_cache", "sglang.srt.hardware_backend.npu")
 
 
 @dataclass(frozen=True)
-class Found:
-    """A write method to guard, and where its ids, layer and lengths come in."""
+class Method:
+    """A method of a class, where that class defines it."""
 
     owner: type
     method: str
-    original: Callable[..., Any]
-    rule: Rule
-    id_names: tuple[str, ...]  # per id parameter: its name in this signature
-    sites: tuple[int, ...]  # per id parameter: its site id in the probe's record
-    layer_name: Optional[str]
-    override_index: Optional[int]  # position of `layer_id_override` in *args, if any
 
     @property
     def qualname(self) -> str:
@@ -43,15 +37,21 @@ class Found:
 
 
 @dataclass(frozen=True)
-class Skipped:
-    owner: type
-    method: str
+class Found(Method):
+    """A write method to guard, and where its ids, layer and lengths come in."""
+
+    original: Callable[..., Any]
+    rule: Rule
+    id_names: tuple[str, ...]  # per id parameter: its name in this signature
+    sites: tuple[int, ...]  # per id parameter: its site id in the probe's record
+    layer_name: Optional[str]
+    override_index: Optional[int]  # position of `layer_id_override` in *args, if any
+
+
+@dataclass(frozen=True)
+class Skipped(Method):
     reason: str
     by_design: bool  # the method raises or does nothing by design: nothing to guard
-
-    @property
-    def qualname(self) -> str:
-        return f"{self.owner.__name__}.{self.method}"
 
 
 def pool_classes(base: type) -> list[type]:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 import torch
 
 from . import probe
-from .discover import by_design, pool_classes
+from .discover import Method, by_design, pool_classes
 from .guard import Guard, PoolState
 from .report import free_site_id
 from .targets import (ALLOCATOR_BASE, ALLOCATOR_METHODS, ALLOCATOR_MODULE, POOL_OF_ALLOCATOR,
@@ -31,17 +31,11 @@ BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup
 
 
 @dataclass(frozen=True)
-class AllocatorMethod:
+class AllocatorMethod(Method):
     """One allocator method to wrap (where it is defined) and what it does."""
 
-    owner: type
-    method: str
     original: Callable[..., Any]
     role: Role
-
-    @property
-    def qualname(self) -> str:
-        return f"{self.owner.__name__}.{self.method}"
 
 
 def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
