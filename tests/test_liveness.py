@@ -24,6 +24,18 @@ def allocators():
     return allocator
 
 
+@pytest.fixture
+def tracked(mp, allocators, guard):
+    """The guard with liveness on, then a real MHA pool and sglang's token allocator over it."""
+
+    def make(mode: str, backend: str = "auto"):
+        guard(mode, backend, liveness=True)
+        pool = mha(mp, SIZE)
+        return pool, token_allocator(allocators, pool)
+
+    return make
+
+
 def write(pool, loc, layer=3):
     n = loc.numel()
     k = torch.arange(n * 8, dtype=torch.float32).reshape(n, 2, 4) + 1
@@ -45,10 +57,8 @@ def caught(backend, action):
     return info.value
 
 
-def test_write_after_free_is_caught(mp, allocators, guard, backend):
-    guard("raise", backend, liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+def test_write_after_free_is_caught(tracked, backend):
+    pool, alloc = tracked("raise", backend)
     loc = alloc.alloc(4)
     write(pool, loc)
     sglang_oobguard.check()
@@ -71,10 +81,8 @@ def test_write_to_a_slot_never_handed_out_is_caught_and_slot_zero_is_exempt(mp, 
         write(pool, torch.tensor([0, 9]))
 
 
-def test_double_free_is_caught_before_the_allocator_takes_it(mp, allocators, guard, backend):
-    guard("raise", backend, liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+def test_double_free_is_caught_before_the_allocator_takes_it(tracked, backend):
+    pool, alloc = tracked("raise", backend)
     loc = alloc.alloc(3)
     alloc.free(loc[1:2])
     free_before = alloc.available_size()
@@ -86,10 +94,8 @@ def test_double_free_is_caught_before_the_allocator_takes_it(mp, allocators, gua
         assert alloc.available_size() == free_before
 
 
-def test_alloc_free_realloc_write_is_clean(mp, allocators, guard, backend):
-    guard("strict", backend, liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+def test_alloc_free_realloc_write_is_clean(tracked, backend):
+    pool, alloc = tracked("strict", backend)
     for _ in range(3):  # the whole pool, three times round
         loc = alloc.alloc(SIZE)
         write(pool, loc)
@@ -101,10 +107,8 @@ def test_alloc_free_realloc_write_is_clean(mp, allocators, guard, backend):
     assert sglang_oobguard.violations() == []
 
 
-def test_a_free_group_holds_slots_live_until_it_ends(mp, allocators, guard):
-    guard("raise", liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+def test_a_free_group_holds_slots_live_until_it_ends(tracked):
+    pool, alloc = tracked("raise")
     loc = alloc.alloc(4)
     alloc.free_group_begin()
     alloc.free(loc[:2])
@@ -156,10 +160,8 @@ def test_paged_free_page_ids_double_free(mp, allocators, guard):
         write(pool, loc[16:17])
 
 
-def test_warn_mode_contains_a_write_to_a_freed_slot(mp, allocators, guard, caplog):
-    guard("warn", liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+def test_warn_mode_contains_a_write_to_a_freed_slot(tracked, caplog):
+    pool, alloc = tracked("warn")
     loc = alloc.alloc(3)
     alloc.free(loc[1:2])
     freed = int(loc[1])
@@ -172,10 +174,8 @@ def test_warn_mode_contains_a_write_to_a_freed_slot(mp, allocators, guard, caplo
     assert "is not allocated (freed)" in caplog.text
 
 
-def test_resize_clear_starts_over(mp, allocators, guard):
-    guard("raise", liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+def test_resize_clear_starts_over(tracked):
+    pool, alloc = tracked("raise")
     loc = alloc.alloc(4)
     alloc.clear()  # every slot back
     with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
@@ -211,10 +211,8 @@ def test_untracked_allocators_are_named(mp, allocators, guard, caplog):
     assert named == others
 
 
-def test_int32_ids_as_the_radix_cache_frees_them(mp, allocators, guard, backend):
-    guard("raise", backend, liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+def test_int32_ids_as_the_radix_cache_frees_them(tracked, backend):
+    pool, alloc = tracked("raise", backend)
     loc = alloc.alloc(4)
     write(pool, loc.to(torch.int32))
     alloc.free(loc[:2].to(torch.int32))
@@ -223,12 +221,10 @@ def test_int32_ids_as_the_radix_cache_frees_them(mp, allocators, guard, backend)
     assert err.pos == 0 and err.value == int(loc[0]) and "is not allocated (freed)" in str(err)
 
 
-def test_restore_state_gives_back_what_was_handed_out_since_backup(mp, allocators, guard):
+def test_restore_state_gives_back_what_was_handed_out_since_backup(tracked, allocators):
     if not hasattr(allocators.BaseTokenToKVPoolAllocator, "backup_state"):
         pytest.skip("backup_state / restore_state left sglang in 0.5.2x")
-    guard("raise", liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+    pool, alloc = tracked("raise")
     kept = alloc.alloc(2)
     saved = alloc.backup_state()
     draft = alloc.alloc(3)  # speculative decoding's draft slots
@@ -239,11 +235,9 @@ def test_restore_state_gives_back_what_was_handed_out_since_backup(mp, allocator
         write(pool, draft)
 
 
-def test_warn_mode_contains_a_double_free_on_the_host(mp, allocators, guard, caplog):
+def test_warn_mode_contains_a_double_free_on_the_host(tracked, caplog):
     """Only the live ids reach the free list, so no slot is ever handed out twice."""
-    guard("warn", liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+    pool, alloc = tracked("warn")
     loc = alloc.alloc(3)
     alloc.free(loc[1:2])
     before = alloc.available_size()
@@ -255,11 +249,9 @@ def test_warn_mode_contains_a_double_free_on_the_host(mp, allocators, guard, cap
     assert len(set(handed.tolist())) == handed.numel()
 
 
-def test_a_later_install_turns_liveness_off_and_on_without_stale_shadows(mp, allocators, guard, monkeypatch):
+def test_a_later_install_turns_liveness_off_and_on_without_stale_shadows(tracked, mp, allocators, monkeypatch):
     cls = allocators.TokenToKVPoolAllocator
-    guard("raise", liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+    pool, alloc = tracked("raise")
     loc = alloc.alloc(2)
     monkeypatch.setenv("SGLANG_OOBGUARD_LIVENESS", "0")
     sglang_oobguard.install("raise")  # a second install() reconfigures the same guard
@@ -295,10 +287,8 @@ def test_every_upstream_site_checks_liveness(mp, allocators, guard, label):
         getattr(pool, method)(Layer(1), as_write_loc(mp, loc.clone()), *payload(2))
 
 
-def test_freeing_the_padding_slot_is_reported(mp, allocators, guard, backend):
+def test_freeing_the_padding_slot_is_reported(tracked, backend):
     """Slot 0 may be written (padding rows) but is never handed out, so never freed."""
-    guard("raise", backend, liveness=True)
-    pool = mha(mp, SIZE)
-    alloc = token_allocator(allocators, pool)
+    pool, alloc = tracked("raise", backend)
     err = caught(backend, lambda: alloc.free(torch.tensor([0])))
     assert "free_index[0] = 0 is not allocated (double free)" in str(err)
