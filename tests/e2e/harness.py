@@ -61,8 +61,10 @@ def _start(args: list[str], env: dict[str, str], log_to=subprocess.PIPE) -> tupl
     return proc, f"OOBGUARD_E2E_RUN={marker}"
 
 
-def run_engine(model: Path, env: dict[str, str], timeout: float = 240, workload: str = "batch") -> Run:
-    proc, marker = _start([str(HERE / "engine_run.py"), str(model), workload], env)
+def run_engine(model: Path, env: dict[str, str], timeout: float = 240, workload: str = "batch",
+               options: tuple[str, ...] = ()) -> Run:
+    """options: engine_run.py's `eagle`, `ngram`, `tp=2`."""
+    proc, marker = _start([str(HERE / "engine_run.py"), str(model), workload, *options], env)
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -59,7 +59,12 @@ class _Loader:
         return None
 
 
+def missing_names(module: str) -> None:
+    """Every name the module being imported does not define becomes a _Missing."""
+    sys.modules[module].__class__ = _Module
+
+
 def stand_in(package: str) -> None:
     """Turn the package being imported into a stand-in (call from its __init__)."""
-    sys.modules[package].__class__ = _Module
+    missing_names(package)
     sys.meta_path.append(_Finder(package))

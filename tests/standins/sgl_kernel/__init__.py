@@ -2,11 +2,25 @@
 
 No sgl_kernel wheel runs on a CPU (the PyPI builds need libcuda.so.1), yet sglang
 imports names from it at load time (the engine; 0.5.10's and 0.4.x's CPU write
-paths). Every name here raises NotImplementedError when called (see _standin). Put
-on PYTHONPATH for test processes only, never installed.
+paths). Every name here raises NotImplementedError when called (see _standin),
+except the pure-torch CPU ops that speculative decoding on the CPU engine needs
+(spec_ops, attention_ops, speculative: each test-only, each raising for the modes it
+does not implement). Put on PYTHONPATH for test processes only, never installed.
 """
 
 from _standin import stand_in
+
+from . import attention_ops  # noqa: F401  (registers torch.ops.sgl_kernel.{extend,decode}_attention_cpu)
+from .spec_ops import (  # noqa: F401
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    assign_req_to_token_pool_cpu,
+    build_draft_decode_metadata_cpu,
+    build_tree_kernel_efficient_cpu,
+    copy_all_layer_kv_cache_cpu,
+    fill_bonus_tokens_cpu,
+    verify_tree_greedy_cpu,
+)
 
 __version__ = "0.0.0+cpu-test-standin"
 stand_in(__name__)
