@@ -50,6 +50,8 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             options.update(SPEC[arg], attention_backend="intel_amx", mem_fraction_static=0.3)
             if arg == "eagle":
                 options["speculative_draft_model_path"] = model
+        elif arg == "amx":
+            options["attention_backend"] = "intel_amx"
         elif arg.startswith("tp="):
             options["tp_size"] = int(arg[3:])
             # one NUMA node here, so each rank's OpenMP threads are bound by hand; and an
@@ -58,7 +60,7 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(map(str, range(options["tp_size"]))))
             os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
         else:
-            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected eagle, ngram or tp=N")
+            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected eagle, ngram, amx or tp=N")
     return options
 
 

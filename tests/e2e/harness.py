@@ -12,7 +12,8 @@ import sys
 import time
 import urllib.request
 import uuid
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -20,7 +21,7 @@ from helpers import GUARD_VARS
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE.parent / "standins"
-CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "TRITON_INTERPRET", "SGLANG_PLUGINS")
+CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "TRITON_INTERPRET", "SGLANG_PLUGINS")
 
 
 @dataclass
@@ -29,10 +30,18 @@ class Run:
     result: Optional[dict]  # the script's RESULT line; None when the process died first
     log: str  # stdout and stderr of every process of the engine
     leftovers: list[int]  # pids still alive after it ended
+    counts: dict[int, dict] = field(default_factory=dict)  # pid -> the fault plugin's tally (count=True)
+
+    def tally(self, rank: int) -> dict[str, int]:
+        """Writes, moves and frees that rank's scheduler made (all its processes summed)."""
+        mine = [c for c in self.counts.values() if c["rank"] == rank]
+        return {kind: sum(c[kind] for c in mine) for kind in ("writes", "moves", "frees")}
 
 
 def engine_env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    # no py-spy and no CUDA here: sglang's crash diagnostics would only wait 65 s before its exit
+    env.update(SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0")
     env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(STANDIN),
                                                                                     env.get("PYTHONPATH")])))
     env.update(extra)
@@ -62,23 +71,28 @@ def _start(args: list[str], env: dict[str, str], log_to=subprocess.PIPE) -> tupl
 
 
 def run_engine(model: Path, env: dict[str, str], timeout: float = 240, workload: str = "batch",
-               options: tuple[str, ...] = ()) -> Run:
-    """options: engine_run.py's `eagle`, `ngram`, `tp=2`."""
-    proc, marker = _start([str(HERE / "engine_run.py"), str(model), workload, *options], env)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        log += f"\n[harness] timed out after {timeout} s: killed"
+               options: tuple[str, ...] = (), count: bool = False) -> Run:
+    """options: engine_run.py's `eagle`, `ngram`, `tp=2`. count: the fault plugin
+    tallies the guarded methods' calls in each process (Run.counts)."""
+    with tempfile.TemporaryDirectory(prefix="oobguard-count-") as folder:
+        if count:
+            env = {**env, "OOBGUARD_COUNT": folder}
+        proc, marker = _start([str(HERE / "engine_run.py"), str(model), workload, *options], env)
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            log += f"\n[harness] timed out after {timeout} s: killed"
+        leftovers = marked_processes(marker)  # alive or zombie: either way nobody cleaned up
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        counts = {int(path.stem): json.loads(path.read_text()) for path in Path(folder).glob("*.json")}
     result = None
     for line in log.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
-    leftovers = marked_processes(marker)  # alive or zombie: either way nobody cleaned up
-    for pid in leftovers:
-        os.kill(pid, signal.SIGKILL)
-    return Run(proc.returncode, result, log, leftovers)
+    return Run(proc.returncode, result, log, leftovers, counts)
 
 
 def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float = 240) -> Run:

@@ -28,6 +28,11 @@ class _Missing:
         return _Missing(f"{self._name}.{attr}")
 
 
+def not_implemented(op: str, what: str) -> NotImplementedError:
+    """The error of a working stand-in asked for a mode it does not implement."""
+    return NotImplementedError(f"{op} (a test-only stand-in) does not implement {what}")
+
+
 class _Module(types.ModuleType):
     def __getattr__(self, name: str) -> _Missing:
         if name.startswith("__"):

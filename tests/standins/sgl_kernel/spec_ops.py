@@ -15,12 +15,9 @@ import ctypes
 from typing import Iterator
 
 import torch
+from _standin import not_implemented
 
 QLEN_ONLY = 1  # sglang's TreeMaskMode.QLEN_ONLY: one [n, n] mask per request
-
-
-def _not_implemented(op: str, what: str) -> NotImplementedError:
-    return NotImplementedError(f"{op} (test-only stand-in of sgl_kernel) does not implement {what}")
 
 
 def _segments(starts: torch.Tensor, ends: torch.Tensor) -> Iterator[tuple[int, int, int, int]]:
@@ -63,7 +60,7 @@ def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices
     """The req_to_token rows the draft decode steps read: with topk 1, each request's
     own row (its prefix, then its draft slots in order)."""
     if topk != 1:
-        raise _not_implemented("build_draft_decode_metadata_cpu", f"EAGLE topk {topk} (only topk 1)")
+        raise not_implemented("build_draft_decode_metadata_cpu", f"EAGLE topk {topk} (only topk 1)")
     return req_to_token[req_pool_indices.long()].clone()
 
 
@@ -83,7 +80,7 @@ def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: t
     retrieve_* links (first child, next sibling; pre-filled with -1 by the caller), each
     node's position, and its QLEN_ONLY mask row (the root and its ancestors)."""
     if int(tree_mask_mode) != QLEN_ONLY:
-        raise _not_implemented("build_tree_kernel_efficient_cpu", f"tree_mask_mode {int(tree_mask_mode)} "
+        raise not_implemented("build_tree_kernel_efficient_cpu", f"tree_mask_mode {int(tree_mask_mode)} "
                                "(only QLEN_ONLY, the mode sglang uses on a CPU)")
     n = draft_token_num
     parents, selected, seq_lens = parent_list.tolist(), selected_index.tolist(), verified_seq_len.tolist()

@@ -1,28 +1,49 @@
-"""Test-only sglang plugin: a stale slot id, injected where a real bug would put it.
+"""Test-only sglang plugin: a stale slot id, injected where a real bug would put it,
+and a tally of the KV writes, moves and frees the engine made.
 
-Loaded by sglang's own `load_plugins()` like any plugin. With `OOBGUARD_FAULT`
-unset it does nothing. With `OOBGUARD_FAULT=step=3,token=1,value=high+3` (step may
-be a range, `3-6`; value `high+K` means the pool's size + page_size + K, or a literal
-such as `-1`) it wraps `ModelRunner.forward`, counts the forwards that write KV, and
-on each chosen one replaces `out_cache_loc[token]` in a clone handed to that forward
-only: the allocator and req_to_token keep the true slot, as with a real stale id
-between the allocator and the attention backend's write.
+Loaded by sglang's own `load_plugins()` like any plugin. With neither variable
+below set it does nothing.
+
+`OOBGUARD_FAULT=step=3,token=1,value=high+3` (step may be a range, `3-6`; value
+`high+K` means the pool's size + page_size + K, or a literal such as `-1`) wraps
+`ModelRunner.forward`, counts the forwards that write KV, and on each chosen one
+replaces `out_cache_loc[token]` in a clone handed to that forward only: the
+allocator and req_to_token keep the true slot, as with a real stale id between the
+allocator and the attention backend's write. Optional selectors narrow what is
+counted: `forward=target_verify` (a ForwardMode name, lower case), `runner=draft`
+or `runner=target` (EAGLE's two model runners), `rank=1` (one tensor-parallel rank).
 
 `value=freed` injects the other kind of stale id: on the chosen forward it gives
 `out_cache_loc[token]` back to the allocator (`token_to_kv_pool_allocator.free`)
 while its request still runs, then lets the forward write there: a use after free.
+
+`site=move` counts `move_kv_cache` calls instead (speculative decoding's move of the
+accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
+(`value=freed` is the only value there): a move into a slot already given back.
+
+`OOBGUARD_COUNT=DIR`: after each forward, each process writes DIR/<pid>.json with
+its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer`
+(writes), `MHATokenToKVPool.move_kv_cache` (moves) and
+`TokenToKVPoolAllocator.free` with ids (frees), the methods the guard wraps with
+liveness on; with the guard active, every call counted went through its wrapper.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 _count = 0
+_moves = 0
+_tally = {"writes": 0, "moves": 0, "frees": 0}
+_rank = {"rank": None}
+_allocators: dict[int, object] = {}  # id(KV pool) -> its model runner's allocator
 
 
 def _spec() -> dict[str, str]:
-    return dict(part.split("=", 1) for part in os.environ["OOBGUARD_FAULT"].split(","))
+    return dict(part.split("=", 1) for part in os.environ.get("OOBGUARD_FAULT", "").split(",") if part)
 
 
 def _steps(text: str) -> range:
@@ -30,19 +51,42 @@ def _steps(text: str) -> range:
     return range(int(first), int(last or first) + 1)
 
 
+def _tp_rank(runner) -> int:
+    """The runner's tensor-parallel rank (0.5.2x keeps it in the runtime context)."""
+    if hasattr(runner, "tp_rank"):
+        return runner.tp_rank
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().tp_rank
+
+
+def _selected(spec: dict[str, str], runner, batch) -> bool:
+    """Whether this forward is one the fault's selectors count."""
+    if "rank" in spec and int(spec["rank"]) != _tp_rank(runner):
+        return False
+    if "runner" in spec and spec["runner"] != ("draft" if runner.is_draft_worker else "target"):
+        return False
+    return "forward" not in spec or batch.forward_mode.name.lower() == spec["forward"]
+
+
+def _free_one(allocator, loc, token: int, what: str, step: int) -> None:
+    allocator.free(loc[token:token + 1].clone())
+    print(f"oobguard_faultinject: step {step} token {token} of {loc.numel()}: {what} {int(loc[token])} freed "
+          f"(pid {os.getpid()})", file=sys.stderr, flush=True)
+
+
 def _forward(wrapped, instance, args, kwargs):
     global _count
     batch = args[0] if args else kwargs["forward_batch"]
     loc = getattr(batch, "out_cache_loc", None)
-    if loc is not None and loc.numel():
-        spec = _spec()
+    spec = _spec()
+    if "step" in spec and spec.get("site", "write") == "write" and loc is not None and loc.numel() \
+            and _selected(spec, instance, batch):
         token = int(spec["token"])
         if _count in _steps(spec["step"]) and token < loc.numel():
             raw = spec["value"]
             if raw == "freed":
-                instance.token_to_kv_pool_allocator.free(loc[token:token + 1].clone())
-                print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc "
-                      f"{int(loc[token])} freed (pid {os.getpid()})", file=sys.stderr, flush=True)
+                _free_one(instance.token_to_kv_pool_allocator, loc, token, "out_cache_loc", _count)
             else:
                 pool = instance.token_to_kv_pool
                 value = pool.size + pool.page_size + int(raw[5:]) if raw.startswith("high+") else int(raw)
@@ -53,18 +97,72 @@ def _forward(wrapped, instance, args, kwargs):
                 print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc {before} -> "
                       f"{value} (pid {os.getpid()})", file=sys.stderr, flush=True)
         _count += 1
+    _rank["rank"] = _tp_rank(instance)
+    _allocators[id(instance.token_to_kv_pool)] = instance.token_to_kv_pool_allocator
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _dump()
+
+
+def _dump() -> None:
+    folder = os.environ.get("OOBGUARD_COUNT")
+    if folder:
+        path = Path(folder) / f"{os.getpid()}.json"
+        path.with_suffix(".tmp").write_text(json.dumps({**_rank, **_tally}))
+        path.with_suffix(".tmp").replace(path)
+
+
+def _counter(kind: str):
+    def count(wrapped, instance, args, kwargs):
+        ids = args[0] if args else next(iter(kwargs.values()), None)
+        if kind != "frees" or getattr(ids, "numel", lambda: 0)():
+            _tally[kind] += 1
+        return wrapped(*args, **kwargs)
+
+    return count
+
+
+def _move(wrapped, instance, args, kwargs):
+    """site=move: on the chosen move_kv_cache call, give tgt_loc[token] back first."""
+    global _moves
+    spec = _spec()
+    tgt = args[0] if args else kwargs["tgt_loc"]
+    token = int(spec["token"])
+    if _moves in _steps(spec["step"]) and token < tgt.numel():
+        _free_one(_allocators[id(instance)], tgt, token, "move_kv_cache tgt_loc", _moves)
+    _moves += 1
     return wrapped(*args, **kwargs)
 
 
-def _patch(module) -> None:
+def _patch_runner(module) -> None:
     import wrapt
 
     wrapt.wrap_function_wrapper(module, "ModelRunner.forward", _forward)
 
 
+def _patch_pool(module) -> None:
+    import wrapt
+
+    if os.environ.get("OOBGUARD_COUNT"):
+        wrapt.wrap_function_wrapper(module, "MHATokenToKVPool.set_kv_buffer", _counter("writes"))
+        wrapt.wrap_function_wrapper(module, "MHATokenToKVPool.move_kv_cache", _counter("moves"))
+    if _spec().get("site") == "move":
+        wrapt.wrap_function_wrapper(module, "MHATokenToKVPool.move_kv_cache", _move)
+
+
+def _patch_allocator(module) -> None:
+    import wrapt
+
+    if os.environ.get("OOBGUARD_COUNT"):
+        wrapt.wrap_function_wrapper(module, "TokenToKVPoolAllocator.free", _counter("frees"))
+
+
 def load() -> None:
-    if not os.environ.get("OOBGUARD_FAULT"):
+    if not (os.environ.get("OOBGUARD_FAULT") or os.environ.get("OOBGUARD_COUNT")):
         return
     import wrapt
 
-    wrapt.register_post_import_hook(_patch, "sglang.srt.model_executor.model_runner")
+    wrapt.register_post_import_hook(_patch_runner, "sglang.srt.model_executor.model_runner")
+    wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
+    wrapt.register_post_import_hook(_patch_allocator, "sglang.srt.mem_cache.allocator.token")
