@@ -63,3 +63,34 @@ def guard(monkeypatch):
     return _install
 
 
+
+
+# The engine tests' shared runs (tests/test_e2e*.py): one tiny model and one unguarded
+# reference of each workload per session, instead of one per test module.
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory):
+    from e2e.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _reference(model, workload: str) -> list:
+    from e2e.harness import run_engine
+
+    run = run_engine(model, {}, workload=workload)
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert not run.leftovers
+    return run.result["outputs"]
+
+
+@pytest.fixture(scope="session")
+def clean(model):
+    """Guard off, no fault, 4 concurrent prompts: the reference tokens."""
+    return _reference(model, "batch")
+
+
+@pytest.fixture(scope="session")
+def radix_clean(model):
+    """Guard off, the 44-request radix workload: the reference tokens."""
+    return _reference(model, "radix")

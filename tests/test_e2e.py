@@ -12,27 +12,12 @@ import re
 
 import pytest
 
-from e2e.harness import run_engine
-from e2e.tiny_model import build_tiny_llama
+from e2e.harness import assert_radix_reused, run_engine
 
 pytestmark = pytest.mark.e2e
 
 POOL_HIGH = 2049  # max_total_tokens 2048 + page_size 1
 ACTIVE = re.compile(r"sglang_oobguard active \(pid (\d+)\): mode=(\w+)")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def clean(model):
-    """Guard off, no fault: the reference tokens."""
-    run = run_engine(model, {})
-    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert not run.leftovers
-    return run.result["outputs"]
 
 
 def injected(run) -> list[str]:
@@ -104,28 +89,17 @@ def test_http_server_generates_with_the_guard_on_and_shuts_down_cleanly(model, t
     assert not run.leftovers
 
 
-RADIX_POOL = 384  # the radix workload's max_total_tokens (tests/e2e/engine_run.py)
-PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 LIVE = {"SGLANG_OOBGUARD_LIVENESS": "1"}
 
 
-def test_liveness_radix_cache_eviction_and_chunked_prefill_raise_nothing(model):
+def test_liveness_radix_cache_eviction_and_chunked_prefill_raise_nothing(model, radix_clean):
     """44 requests on 4 shared prefixes, radix cache on, 32-token chunks, a pool too
     small to keep them all: no false positive, and the same tokens as unguarded."""
-    reference = run_engine(model, {}, workload="radix")
-    assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "raise", **LIVE}, workload="radix")
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert run.result["outputs"] == reference.result["outputs"]
-    assert len(run.result["outputs"]) == 44 and all(run.result["outputs"])
+    assert run.result["outputs"] == radix_clean
     assert "liveness=on" in run.log and "bad KV slot ids" not in run.log and "KVOutOfBoundsError" not in run.log
-    prefills = [tuple(map(int, found)) for found in PREFILL.findall(run.log)]
-    assert sum(cached for _, _, cached in prefills) > 0  # shared prefixes came from the radix cache
-    assert max(new for _, new, _ in prefills) == 32  # chunked prefill
-    # more KV written (prefill + one slot per decoded token) than the pool holds, while the
-    # tree keeps every finished sequence: so slots were evicted, freed and handed out again
-    written = sum(new for _, new, _ in prefills) + sum(len(tokens) for tokens in run.result["outputs"])
-    assert written > 2 * RADIX_POOL
+    assert_radix_reused(run)
     assert not run.leftovers
 
 

@@ -88,6 +88,17 @@ def test_fill_bonus_tokens_matches_sglangs_triton_kernel(ops):
     assert ours.tolist() == theirs.tolist() == [50, 57, 59]
 
 
+def test_fill_accept_out_cache_loc_matches_sglangs_triton_kernel(ops):
+    from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc
+
+    accept_index = torch.tensor([[0, 2, -1], [3, -1, -1], [6, 7, 8]], dtype=torch.int32)
+    out_cache_loc = torch.arange(9, dtype=torch.int64) * 10 + 5
+    ours, theirs = torch.full((6,), -1, dtype=torch.int64), torch.full((6,), -1, dtype=torch.int64)
+    ops["spec_ops"].fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, ours)
+    fill_accept_out_cache_loc[(9,)](accept_index, out_cache_loc, theirs, 16)
+    assert ours.tolist() == theirs.tolist() == [5, 25, 35, 65, 75, 85]
+
+
 # Draft trees as EAGLE's organize_draft_results hands them over (parents of each step's
 # candidates, the sorted selected score indices). topk 1: a chain of 2 drafts. topk 2,
 # 2 steps: root -> {1, 2}, 1 -> 3, 2 -> 4.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,8 @@ from helpers import GUARD_VARS
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE.parent / "standins"
+RADIX_POOL = 384  # the radix workload's max_total_tokens (engine_run.py)
+PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "TRITON_INTERPRET", "SGLANG_PLUGINS")
 
 
@@ -136,3 +139,16 @@ def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float 
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
     return Run(proc.returncode, result, log_path.read_text(), leftovers)
+
+
+def assert_radix_reused(run: Run) -> None:
+    """The radix workload did what it is for: all 44 requests served, prefixes from the
+    radix cache, 32-token chunks, and more KV written (prefill + one slot per decoded
+    token) than the pool holds while the tree keeps every finished sequence: so slots
+    were evicted, freed and handed out again."""
+    assert len(run.result["outputs"]) == 44 and all(run.result["outputs"])
+    prefills = [tuple(map(int, found)) for found in PREFILL.findall(run.log)]
+    assert sum(cached for _, _, cached in prefills) > 0
+    assert max(new for _, new, _ in prefills) == 32
+    written = sum(new for _, new, _ in prefills) + sum(len(tokens) for tokens in run.result["outputs"])
+    assert written > 2 * RADIX_POOL

@@ -18,6 +18,7 @@ from .spec_ops import (  # noqa: F401
     build_draft_decode_metadata_cpu,
     build_tree_kernel_efficient_cpu,
     copy_all_layer_kv_cache_cpu,
+    fill_accept_out_cache_loc_cpu,
     fill_bonus_tokens_cpu,
     verify_tree_greedy_cpu,
 )

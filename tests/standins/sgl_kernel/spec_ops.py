@@ -71,6 +71,15 @@ def fill_bonus_tokens_cpu(accept_tokens: torch.Tensor, accept_lens: torch.Tensor
     bonus_tokens.copy_(accept_tokens.reshape(-1)[rows * accept_stride + accept_lens.long() - 1])
 
 
+def fill_accept_out_cache_loc_cpu(accept_index: torch.Tensor, out_cache_loc: torch.Tensor,
+                                  accept_out_cache_loc: torch.Tensor) -> None:
+    """The slots of the accepted drafts, packed in order: out_cache_loc[i] for every
+    accept_index entry i that is not -1."""
+    accepted = accept_index.reshape(-1)
+    accepted = accepted[accepted > -1].long()
+    accept_out_cache_loc[:accepted.numel()] = out_cache_loc[accepted]
+
+
 def build_tree_kernel_efficient_cpu(parent_list: torch.Tensor, selected_index: torch.Tensor,
                                     verified_seq_len: torch.Tensor, tree_mask: torch.Tensor,
                                     positions: torch.Tensor, retrieve_index: torch.Tensor,
