@@ -48,3 +48,74 @@ def test_speculative_decoding_over_the_radix_workload_is_clean_and_counted(model
     assert tally["writes"] > 0 and tally["frees"] > 0, tally
     if algorithm == "ngram":  # NGRAM moves the accepted drafts' KV; EAGLE topk 1 finds it in place
         assert tally["moves"] > 0, tally
+
+
+def ranks(run: Run) -> dict[int, int]:
+    """rank -> the pid of its scheduler (the one that counted its KV writes)."""
+    return {tally["rank"]: pid for pid, tally in run.counts.items() if tally["writes"]}
+
+
+@pytest.mark.parametrize("options", [("tp=2",), ("eagle", "tp=2")], ids=["plain", "eagle"])
+def test_two_ranks_both_guarded_and_clean(model, clean, options):
+    """Two tensor-parallel ranks (all-reduce over gloo): each rank's scheduler activates
+    the guard and makes guarded writes and frees; tokens as the unguarded single rank."""
+    run = run_engine(model, STRICT_LIVE, options=options, count=True)
+    assert_clean(run, clean)
+    by_rank = ranks(run)
+    assert sorted(by_rank) == [0, 1], run.counts
+    active = {int(pid) for pid in ACTIVE.findall(run.log)}
+    assert set(by_rank.values()) <= active, (by_rank, active)  # the activation line from both ranks
+    for rank in (0, 1):
+        tally = run.tally(rank)
+        assert tally["writes"] > 0 and tally["frees"] > 0, (rank, tally)
+    if "eagle" in options:
+        assert run.result["spec_verify_ct"] > 0
+
+
+EXCEPTION = re.compile(r"^\[[^\]]* TP(\d)\] Scheduler hit an exception", re.M)
+
+
+def test_a_bad_id_on_one_rank_is_reported_by_that_rank(model):
+    """rank 1 alone writes at a too-high slot id: rank 1's scheduler reports it (the
+    report naming the rank is the step guard's issue); rank 0 reports nothing."""
+    run = run_engine(model, {**STRICT_LIVE, "OOBGUARD_FAULT": "step=3,token=1,value=high+3,rank=1"},
+                     options=("tp=2",), count=True)
+    (injected,) = [line for line in run.log.splitlines() if line.startswith("oobguard_faultinject: step")]
+    assert f"(pid {ranks(run)[1]})" in injected
+    assert [int(rank) for rank in EXCEPTION.findall(run.log)] == [1], run.log[-3000:]
+    report = "KVOutOfBoundsError: set_kv_buffer (MHA) layer 0: 1 of 4 slot ids outside [0, 2049): loc[1] = 2052"
+    assert run.log.count(report) == 1 and run.log.index(report) > EXCEPTION.search(run.log).start()
+    assert run.result is None and run.returncode != 0 and not run.leftovers
+
+
+# Stale slots in the draft path, given back to the allocator while still in use:
+# EAGLE: a draft token's slot (token 1 of the verify batch: request 0's first draft),
+# just before the target model verifies the drafts and writes their KV there.
+# NGRAM: the first target slot of the accepted drafts' KV move (`move_kv_cache`).
+DRAFT_FAULTS = {
+    "eagle": ("step=2,token=1,value=freed,forward=target_verify", "out_cache_loc",
+              r"set_kv_buffer \(MHA\) layer 0: loc\[1\] = {slot} is not allocated \(freed\)"),
+    "ngram": ("site=move,step=2,token=0,value=freed", "move_kv_cache tgt_loc",
+              r"move_kv_cache tgt_loc\b[^:]*: loc\[0\] = {slot} is not allocated \(freed\)"),
+}
+
+
+@pytest.mark.parametrize("algorithm,mode", [("eagle", "strict"), ("ngram", "strict"), ("ngram", "warn")])
+def test_a_slot_freed_in_the_draft_path_is_caught_and_contained(model, clean, algorithm, mode):
+    fault, what, report = DRAFT_FAULTS[algorithm]
+    run = run_engine(model, {**STRICT_LIVE, "SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0",
+                             "OOBGUARD_FAULT": fault}, options=(algorithm,))
+    (line,) = [line for line in run.log.splitlines() if line.startswith("oobguard_faultinject: step")]
+    slot = int(re.search(rf"{what} (\d+) freed", line).group(1))
+    report = report.format(slot=slot)
+    if mode == "strict":  # the engine fails at that write, naming the site
+        assert re.search(rf"KVOutOfBoundsError: {report}", run.log), run.log[-3000:]
+        assert run.result is None and run.returncode != 0
+    else:  # served; the move contained; the request's own free of the slot later is a double free, contained
+        assert run.returncode == 0 and run.result and len(run.result["outputs"]) == 4, run.log[-3000:]
+        assert re.search(rf"writes contained \(ids sent to padding slot 0\): {report}", run.log), run.log[-3000:]
+        assert re.search(rf"free_index\[\d+\] = {slot} is not allocated \(double free\)", run.log)
+        assert "memory leak" not in run.log
+        differ = [i for i, (got, want) in enumerate(zip(run.result["outputs"], clean)) if got != want]
+        assert differ in ([], [0])  # only the faulted request may differ
+    assert not run.leftovers

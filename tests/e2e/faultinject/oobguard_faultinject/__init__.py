@@ -19,9 +19,10 @@ while its request still runs, then lets the forward write there: a use after fre
 
 `site=move` counts `move_kv_cache` calls instead (speculative decoding's move of the
 accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
-(`value=freed` is the only value there): a move into a slot already given back.
+(`value=freed` is the only value there): a move into a slot already given back. Its
+wrapper goes on at the first forward, outside the guard's.
 
-`OOBGUARD_COUNT=DIR`: after each forward, each process writes DIR/<pid>.json with
+`OOBGUARD_COUNT=DIR`: at each counted call, each process writes DIR/<pid>.json with
 its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer`
 (writes), `MHATokenToKVPool.move_kv_cache` (moves) and
 `TokenToKVPoolAllocator.free` with ids (frees), the methods the guard wraps with
@@ -40,6 +41,7 @@ _moves = 0
 _tally = {"writes": 0, "moves": 0, "frees": 0}
 _rank = {"rank": None}
 _allocators: dict[int, object] = {}  # id(KV pool) -> its model runner's allocator
+_move_wrapped = []
 
 
 def _spec() -> dict[str, str]:
@@ -99,10 +101,14 @@ def _forward(wrapped, instance, args, kwargs):
         _count += 1
     _rank["rank"] = _tp_rank(instance)
     _allocators[id(instance.token_to_kv_pool)] = instance.token_to_kv_pool_allocator
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        _dump()
+    if spec.get("site") == "move" and not _move_wrapped:
+        # wrapped now, over the guard's wrapper (installed when the process started), so
+        # the slot is given back before the guard looks at the move
+        import wrapt
+
+        wrapt.wrap_function_wrapper("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.move_kv_cache", _move)
+        _move_wrapped.append(True)
+    return wrapped(*args, **kwargs)
 
 
 def _dump() -> None:
@@ -118,6 +124,7 @@ def _counter(kind: str):
         ids = args[0] if args else next(iter(kwargs.values()), None)
         if kind != "frees" or getattr(ids, "numel", lambda: 0)():
             _tally[kind] += 1
+            _dump()
         return wrapped(*args, **kwargs)
 
     return count
@@ -147,8 +154,6 @@ def _patch_pool(module) -> None:
     if os.environ.get("OOBGUARD_COUNT"):
         wrapt.wrap_function_wrapper(module, "MHATokenToKVPool.set_kv_buffer", _counter("writes"))
         wrapt.wrap_function_wrapper(module, "MHATokenToKVPool.move_kv_cache", _counter("moves"))
-    if _spec().get("site") == "move":
-        wrapt.wrap_function_wrapper(module, "MHATokenToKVPool.move_kv_cache", _move)
 
 
 def _patch_allocator(module) -> None:
