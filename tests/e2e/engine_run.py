@@ -3,7 +3,7 @@ greedily for a few concurrent prompts, print one JSON line, shut down. The promp
 tokenized as one batch, so they are prefilled together and token i of every decode
 step belongs to request i on every run.
 
-    python tests/e2e/engine_run.py MODEL_DIR [radix] [eagle|ngram] [tp=2]
+    python tests/e2e/engine_run.py MODEL_DIR [batch|radix] [eagle|ngram] [tp=2]
 
 `radix`: the liveness workload instead: 44 prompts on 4 shared prefixes, the radix
 cache on, a pool of 384 slots (so finished prefixes are evicted to make room) and
@@ -14,9 +14,9 @@ draft (topk 1). Both need the `intel_amx` attention backend (torch_native has no
 verify path), which sglang replaces by torch_native on a CPU without AMX unless the
 launching process states the platform fact: done here, for this test engine only;
 its ops are the test-only stand-ins in tests/standins/sgl_kernel. `tp=2`: two
-tensor-parallel ranks (the harness sets the two variables that need).
+tensor-parallel ranks, with the two variables that needs on this machine.
 
-Run by tests/test_e2e.py in a subprocess; the environment decides guard and fault."""
+Run by tests/test_e2e*.py in a subprocess; the environment decides guard and fault."""
 
 from __future__ import annotations
 
@@ -50,8 +50,6 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             options.update(SPEC[arg], attention_backend="intel_amx", mem_fraction_static=0.3)
             if arg == "eagle":
                 options["speculative_draft_model_path"] = model
-        elif arg == "amx":
-            options["attention_backend"] = "intel_amx"
         elif arg.startswith("tp="):
             options["tp_size"] = int(arg[3:])
             # one NUMA node here, so each rank's OpenMP threads are bound by hand; and an
@@ -60,7 +58,7 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(map(str, range(options["tp_size"]))))
             os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
         else:
-            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected eagle, ngram, amx or tp=N")
+            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected eagle, ngram or tp=N")
     return options
 
 
