@@ -75,22 +75,17 @@ def model(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _reference(model, workload: str) -> list:
-    from e2e.harness import run_engine
-
-    run = run_engine(model, {}, workload=workload)
-    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert not run.leftovers
-    return run.result["outputs"]
-
-
 @pytest.fixture(scope="session")
 def clean(model):
     """Guard off, no fault, 4 concurrent prompts: the reference tokens."""
-    return _reference(model, "batch")
+    from e2e.harness import reference_tokens
+
+    return reference_tokens(model, "batch")
 
 
 @pytest.fixture(scope="session")
 def radix_clean(model):
     """Guard off, the 44-request radix workload: the reference tokens."""
-    return _reference(model, "radix")
+    from e2e.harness import reference_tokens
+
+    return reference_tokens(model, "radix")

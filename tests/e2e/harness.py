@@ -98,6 +98,14 @@ def run_engine(model: Path, env: dict[str, str], timeout: float = 240, workload:
     return Run(proc.returncode, result, log, leftovers, counts)
 
 
+def reference_tokens(model: Path, workload: str, options: tuple[str, ...] = ()) -> list[list[int]]:
+    """Guard off, no fault: the tokens a guarded run must reproduce."""
+    run = run_engine(model, {}, workload=workload, options=options)
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert not run.leftovers
+    return run.result["outputs"]
+
+
 def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float = 240) -> Run:
     """`python -m sglang.launch_server --device cpu` on 127.0.0.1: wait for /health, one
     /generate, then SIGTERM to the server and a bounded wait (a group SIGKILL only as
