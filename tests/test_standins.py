@@ -17,6 +17,10 @@ import torch
 
 from helpers import ROOT
 
+if importlib.util.find_spec("sglang.kernels.ops.speculative") is None:  # the older releases of the matrix
+    pytest.skip("the stand-ins follow sglang 0.5.23's speculative CPU ops (sglang.kernels.ops.speculative)",
+                allow_module_level=True)
+
 STANDINS = ROOT / "tests" / "standins"
 
 
