@@ -174,9 +174,10 @@ def test_reconstruct_indices_from_tree_mask_matches_sglangs_triton_kernel(ops, m
     monkeypatch.setitem(sys.modules, "sgl_kernel.speculative", ops["speculative"])
     from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_from_tree_mask_triton
 
-    # NGRAM's tree: 0 -> {1, 2}, 1 -> 3; mask[i, j]: j is i or an ancestor of i
+    # NGRAM's trees, mask[i, j]: j is i or an ancestor of i. 0 -> {1, 2}, 1 -> 3; and a chain
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    mask, seq_lens = torch.stack([tree, torch.eye(4, dtype=torch.bool).cumsum(0).bool()]).flatten(), torch.tensor([3, 8])
+    mask = torch.stack([tree, torch.ones(4, 4, dtype=torch.bool).tril()]).flatten()
+    seq_lens = torch.tensor([3, 8])
     results = []
     for reconstruct in (ops["speculative"].reconstruct_indices_from_tree_mask,
                         reconstruct_indices_from_tree_mask_triton):
