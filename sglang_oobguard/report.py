@@ -9,7 +9,10 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .record import Record
 
 logger = logging.getLogger("sglang_oobguard")  # messages name us themselves: sglang's format omits the logger
 
@@ -38,15 +41,18 @@ def ensure_visible() -> None:
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
 _SITE_LABELS: list[str] = []
+_SITE_IDS: dict[str, int] = {}
 # Free sites (the liveness guard's allocator methods): site id -> the freed ids' name.
 _FREE_PARAMS: dict[int, str] = {}
 
 
 def site_id(label: str) -> int:
     """The id of a label, the same for every method that shares it."""
-    if label not in _SITE_LABELS:
+    site = _SITE_IDS.get(label)
+    if site is None:
+        site = _SITE_IDS[label] = len(_SITE_LABELS)
         _SITE_LABELS.append(label)
-    return _SITE_LABELS.index(label)
+    return site
 
 
 def free_site_id(label: str, param: str) -> int:
@@ -62,7 +68,7 @@ def free_param(site: int) -> Optional[str]:
 
 
 def is_site_label(label: object) -> bool:
-    return label in _SITE_LABELS
+    return label in _SITE_IDS
 
 
 def site_label(site: int) -> str:
@@ -87,6 +93,12 @@ class Violation:
     calls: int
     freed: Optional[str] = None  # a free site: the name of the freed ids' parameter
 
+    @classmethod
+    def of(cls, record: "Record", pool: str) -> "Violation":
+        """A pool's record, as the report names it."""
+        return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
+                   record.pos, record.value, record.total_bad, record.calls, free_param(record.site))
+
     def __str__(self) -> str:
         layer = self.layer if self.layer >= 0 else "?"
         head = f"{self.label}: " if self.freed else f"{self.label} layer {layer}: "
@@ -98,17 +110,28 @@ class Violation:
         return f"{head}{self.bad} of {self.numel} slot ids outside [0, {self.high}): {name}[{self.pos}] = {self.value}"
 
 
+def _contained(violation: Violation) -> str:
+    """What warn mode did about it, in words."""
+    if violation.freed:
+        return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
+    return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
+
+
 class KVOutOfBoundsError(IndexError):
     """A KV-cache write was handed slot ids outside its pool (or, with liveness,
     slots that are not allocated; a free, slots that are not allocated)."""
 
+    low = 0  # ids must lie in [low, violation.high)
+
     def __init__(self, violation: Violation) -> None:
         self.violation = violation
-        self.label, self.pool, self.layer = violation.label, violation.pool, violation.layer
-        self.low, self.high = 0, violation.high
-        self.bad, self.numel = violation.bad, violation.numel
-        self.pos, self.value = violation.pos, violation.value
         super().__init__(f"{violation} (pool {violation.pool})")
+
+    def __getattr__(self, name: str) -> object:
+        """The violation's fields, read through (one schema: no copies)."""
+        if name == "violation":
+            raise AttributeError(name)
+        return getattr(self.violation, name)
 
 
 class Reporter:
@@ -129,8 +152,7 @@ class Reporter:
     def _warn(self, violation: Violation) -> None:
         now = time.monotonic()
         if self._last_log is None:
-            logger.warning("sglang_oobguard: bad KV slot ids, writes contained (ids sent to padding slot 0): %s (pool %s)",
-                           violation, violation.pool)
+            logger.warning("sglang_oobguard: %s: %s (pool %s)", _contained(violation), violation, violation.pool)
         elif now - self._last_log >= self.warn_interval_s:
             bad = sum(v.total_bad for v in self.latest.values())
             calls = sum(v.calls for v in self.latest.values())

@@ -195,10 +195,12 @@ def version_of_sglang() -> str:
 
 
 def is_supported(version: str) -> bool:
-    parts: list[int] = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            return False
-        parts.append(int(digits))
-    return SUPPORTED[0] <= tuple(parts) <= SUPPORTED[1]
+    """Whether this release lies in the declared range: its release numbers, so a
+    local build (0.5.23+cu130), a post or a pre-release of a release in range count."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release[:3]
+    except InvalidVersion:
+        return False
+    return SUPPORTED[0] <= release <= SUPPORTED[1]

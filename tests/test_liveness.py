@@ -169,8 +169,9 @@ def test_warn_mode_contains_a_write_to_a_freed_slot(tracked, caplog):
     bad = loc.clone()
     with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
         write(pool, bad)
-    assert bad.tolist() == [int(loc[0]), 0, int(loc[2])]  # sent to padding slot 0
+    assert torch.equal(bad, loc)  # the caller's ids are left as they were
     assert torch.equal(pool.k_buffer[3][freed], row_before)  # the freed row is untouched
+    assert pool.k_buffer[3][0].abs().sum() > 0  # the write's copy sent that token to padding slot 0
     assert "is not allocated (freed)" in caplog.text
 
 
