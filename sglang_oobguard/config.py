@@ -40,6 +40,15 @@ class Backend(str, enum.Enum):
     TRITON = "triton"  # the fused kernel, reported deferred (CPU needs TRITON_INTERPRET=1)
 
 
+# What each backend runs where: said in the activation line and by doctor, because the
+# host scan costs a host sync per write on any accelerator it serves.
+BACKEND_PATHS = {
+    Backend.AUTO: "the kernel on CUDA tensors (no sync); the host scan on CPU tensors, and on "
+                  "NPU, XPU and MUSA tensors at one host sync per write",
+    Backend.TORCH: "the host scan on every tensor: one host sync per write on any accelerator",
+    Backend.TRITON: "the kernel on every tensor",
+}
+
 ENABLE_VAR = "SGLANG_ENABLE_ASYNC_ASSERT"
 INVARIANT_VAR = "SGLANG_INVARIANT_CHECK"
 MODE_VAR = "SGLANG_OOBGUARD_MODE"

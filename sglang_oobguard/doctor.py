@@ -36,7 +36,8 @@ def run() -> int:
     if not loader and not pth:
         print("  -> nothing activates the guard in sglang's processes: pip install the package (not -e)")
     state = "active" if settings.active else f"inactive; set {config.ENABLE_VAR}=1 to enable"
-    print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value}; "
+    print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value} "
+          f"({config.BACKEND_PATHS[settings.backend]}); "
           f"liveness: {'on' if settings.liveness else f'off (set {config.LIVENESS_VAR}=1 to check it)'}")
     unimported = import_pool_modules()
     entries = coverage()

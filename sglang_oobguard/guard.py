@@ -93,8 +93,9 @@ class Guard:
         self.reporter = Reporter(config.warn_interval_s)
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self.found: list[Found] = []  # the guarded methods: what a new pool's warm-up compiles
+        self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
         self._messages: dict[int, str] = {}  # site -> the device-side assert text
-        self._failed: set[str] = set()  # guard-internal failures already logged
+        self._said: set[str] = set()  # log lines said once per guard
         # The guarded call in progress, innermost: (pool, method, ids object passed on),
         # or None. A nested call on the same pool and method with that ids object (a
         # super() call) is not probed again; inside any, upstream's duplicate probe is skipped.
@@ -183,7 +184,8 @@ class Guard:
         """The device-side assert text of a site: a compile-time constant, under CUDA's 256 bytes."""
         text = self._messages.get(site)
         if text is None:
-            text = self._messages[site] = _assert_text(site, self.config.liveness)
+            text = self._messages[site] = _assert_text(site, self.bounds.get(site, "the pool's ids"),
+                                                       self.config.liveness)
         return text
 
     # -- reporting ------------------------------------------------------------
@@ -207,18 +209,24 @@ class Guard:
     def violations(self) -> list[Violation]:
         return list(self.reporter.latest.values())
 
+    def first_time(self, key: str) -> bool:
+        """True the first time `key` is asked for: a line said once per guard."""
+        if key in self._said:
+            return False
+        self._said.add(key)
+        return True
+
     def internal_error(self, where: str, exc: BaseException) -> None:
         """The guard's own bookkeeping failed: log once per place, never raise into sglang."""
-        if where not in self._failed:
-            self._failed.add(where)
+        if self.first_time(f"internal {where}"):
             logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
                          where, type(exc).__name__, exc)
 
 
-def _assert_text(site: int, liveness: bool) -> str:
+def _assert_text(site: int, bound: str, liveness: bool) -> str:
     from .report import free_param
 
-    what = "KV slot id outside the pool"
+    what = f"KV slot id outside [0, {bound})"
     if free_param(site):
         what = "freed id outside the pool, or not allocated (double free)"
     elif liveness:

@@ -263,17 +263,13 @@ def _trackable(pool: Any) -> str:
     return ""
 
 
-_untrackable_named: set[str] = set()
-
-
 def _start(guard: Guard, allocator: Any) -> None:
     """Give the allocator's pool an all-free shadow, in the pool's token-slot space."""
     pool = allocator.__dict__.get(POOL_OF_ALLOCATOR)
     why = _trackable(pool)
     if why:
         name = type(allocator).__name__
-        if name + why not in _untrackable_named:
-            _untrackable_named.add(name + why)
+        if guard.first_time(f"untracked {name} {why}"):
             logger.warning("sglang_oobguard: liveness not tracked for a %s: %s (bound check only)", name, why)
         return
     state = guard.state(pool, torch.device(allocator.device))

@@ -88,6 +88,7 @@ class Instrumentor:
                 continue
             self._wrap(entry.owner, entry.method, make_wrapper(entry, self.guard), entry)
             self.guard.found.append(entry)
+            self.guard.bounds.update(zip(entry.sites, (ids.bound.rule for ids in entry.rule.ids)))
             self._skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
         return skipped
 
@@ -190,8 +191,9 @@ def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], 
     _active = Instrumentor(config)
     skipped = _active.instrument(base)
     version = version_of_sglang()
-    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s, liveness=%s",
-                os.getpid(), config.mode.value, config.backend.value,
+    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods, sglang %s, "
+                "liveness=%s", os.getpid(), config.mode.value, config.backend.value,
+                config_mod.BACKEND_PATHS[config.backend],
                 sum(isinstance(entry, Found) for entry in _active.entries), version,
                 "on" if config.liveness else "off")
     if skipped or not is_supported(version):

@@ -32,7 +32,8 @@ def test_doctor_lists_version_activation_mode_and_every_write_method():
     out = proc.stdout
     assert out.startswith(f"sglang {version('sglang')} (supported;")
     assert "entry point sglang.srt.plugins:oobguard registered" in out and ".pth import hook" in out
-    assert "mode: warn (active); backend: auto; liveness: off (set SGLANG_OOBGUARD_LIVENESS=1" in out
+    assert "mode: warn (active); backend: auto (the kernel on CUDA tensors (no sync); the host scan on CPU tensors, " \
+           "and on NPU, XPU and MUSA tensors at one host sync per write); liveness: off (set SGLANG_OOBGUARD_LIVENESS=1" in out
     assert "  TokenToKVPoolAllocator.alloc " in out and "  PagedTokenToKVPoolAllocator.alloc_extend " in out
     assert "liveness not tracked (bound check only): " in out and "SWATokenToKVPoolAllocator" in out
     expected = run_python(EXPECTED, {})

@@ -13,6 +13,7 @@ import torch
 import sglang_oobguard
 from helpers import Layer, as_write_loc, mha, needs, paged_allocator, site_cases, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.targets import version_of_sglang
 
 SIZE = 64
 
@@ -293,3 +294,79 @@ def test_freeing_the_padding_slot_is_reported(tracked, backend):
     pool, alloc = tracked("raise", backend)
     err = caught(backend, lambda: alloc.free(torch.tensor([0])))
     assert "free_index[0] = 0 is not allocated (double free)" in str(err)
+
+
+def test_an_id_freed_twice_in_one_call_is_a_double_free(tracked, backend):
+    """free(tensor([s, s])) would put s on the free list twice: two requests, one slot."""
+    pool, alloc = tracked("raise", backend)
+    loc = alloc.alloc(3)
+    twice = torch.stack([loc[1], loc[0], loc[1]])
+    err = caught(backend, lambda: alloc.free(twice))
+    assert f"free_index[2] = {int(loc[1])} is not allocated (double free)" in str(err)
+
+
+@pytest.fixture
+def paged(mp, allocators, guard):
+    """The guard with liveness on, then a real paged MHA pool (page 4) and sglang's paged allocator."""
+
+    def make(mode: str, backend: str):
+        guard(mode, backend, liveness=True)
+        pool = mha(mp, SIZE, page_size=4)
+        return pool, paged_allocator(allocators, pool)
+
+    return make
+
+
+def test_paged_token_free_takes_a_page_back_once_and_catches_it_twice(paged, backend):
+    """Several token ids of one page in one free are that page given back once (clean);
+    a token of the same page in a later free is a double free."""
+    pool, alloc = paged("raise", backend)
+    loc = alloc.alloc(8)  # two whole pages
+    alloc.free(loc[:4])  # four tokens of the first page, one call: clean
+    sglang_oobguard.check()
+    alloc.free(loc[4:8])
+    sglang_oobguard.check()
+    err = caught(backend, lambda: alloc.free(loc[1:2]))
+    assert f"free_index[0] = {int(loc[1])} is not allocated (double free)" in str(err)
+
+
+def test_a_page_id_freed_twice_in_one_call_is_a_double_free(mp, allocators, paged, backend):
+    if not hasattr(allocators.PagedTokenToKVPoolAllocator, "free_page_ids"):
+        pytest.skip(f"sglang {version_of_sglang()} has no PagedTokenToKVPoolAllocator.free_page_ids")
+    pool, alloc = paged("raise", backend)
+    page = int(alloc.alloc(4)[0]) // 4
+    err = caught(backend, lambda: alloc.free_page_ids(torch.tensor([page, page])))
+    assert f"page_ids[1] = {page} is not allocated (double free)" in str(err)
+
+
+def allocator_over(cls, kvcache, page_size=None):
+    """sglang's allocator class built as sglang's own unit tests build it, over any kvcache."""
+    import inspect
+
+    given = dict(size=SIZE, page_size=page_size, dtype=torch.float16, device="cpu", kvcache=kvcache, need_sort=False)
+    params = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in given.items() if k in params and v is not None or k == "kvcache"})
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+@pytest.mark.parametrize("kvcache", ["None", "MagicMock", "plain object"])
+def test_allocators_over_a_mock_kvcache_are_left_untracked_and_work(allocators, guard, backend, mode, kvcache, caplog):
+    """sglang's own allocator tests build allocators over `kvcache=None`, `MagicMock()`
+    or a plain object without `size`: with liveness on they run exactly as unguarded,
+    and the log names them."""
+    from unittest.mock import MagicMock
+
+    guard(mode, backend, liveness=True)
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        for cls, page_size in ((allocators.TokenToKVPoolAllocator, None), (allocators.PagedTokenToKVPoolAllocator, 4)):
+            pool = {"None": None, "MagicMock": MagicMock(), "plain object": object()}[kvcache]
+            alloc = allocator_over(cls, pool, page_size)
+            loc = alloc.alloc(8)
+            alloc.free(loc)
+            alloc.free(alloc.alloc(4))
+        sglang_oobguard.check()
+    assert sglang_oobguard.violations() == []
+    named = [r.getMessage() for r in caplog.records if "liveness not tracked for a" in r.getMessage()]
+    for cls in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"):
+        assert any(f"for a {cls}: its kvcache is a" in line and "not a sglang.srt.mem_cache.memory_pool.KVCache" in line
+                   for line in named), named

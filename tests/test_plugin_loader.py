@@ -75,7 +75,7 @@ def test_activation_through_load_plugins(env, mode):
         assert len(active) == 1
         from importlib.metadata import version
 
-        assert re.search(rf"mode={mode}, backend=auto, [1-9][0-9]* guarded methods, sglang {version('sglang')}",
+        assert re.search(rf"mode={mode}, backend=auto \(the kernel on CUDA tensors .* one host sync per write\), [1-9][0-9]* guarded methods, sglang {version('sglang')}",
                          active[0]), active[0]
     else:
         assert not active
