@@ -22,10 +22,13 @@ from . import probe
 from .config import Backend, Config, Mode
 from .discover import Found
 from .record import PoolRecord, Record, fold_host
-from .report import KVOutOfBoundsError, Reporter, Violation, logger, site_label
+from .report import KVOutOfBoundsError, Reporter, Violation, free_param, logger, site_id, site_label
+from .step import Steps, request_of
 
 STATE_ATTR = "_oobguard_state"
-Call = tuple  # (args, kwargs, the Found being called): read for the layer id only when needed
+STEP_LABEL = "out_cache_loc (forward step)"  # the step check's site
+NAME_ATTR = "_oobguard_name"  # a state holder that is no pool (a fused writer's) names itself
+SITES_ATTR = "_oobguard_sites"  # ...and the sites its warm-up compiles
 
 _serials = itertools.count()
 
@@ -34,7 +37,7 @@ class PoolState:
     """One pool's record, the kernel's copy buffer and the liveness shadow."""
 
     def __init__(self, pool: Any, device: torch.device) -> None:
-        self.pool_name = type(pool).__name__
+        self.pool_name = pool.__dict__.get(NAME_ATTR) or type(pool).__name__
         self.serial = next(_serials)  # the pool's key in the reporter
         self.device = device
         self.record = PoolRecord(device)
@@ -49,6 +52,7 @@ class PoolState:
         self._capacity = int(pool.size) + int(pool.page_size) if device.type == "cuda" else 0
         self._copies = torch.empty(2 * self._capacity, dtype=torch.int64, device=device)
         self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
+        self.copied_for: list[Optional[torch.Tensor]] = [None, None]  # per region: the ids its copy was made of
 
     def copy_for(self, region: int, loc: torch.Tensor) -> torch.Tensor:
         """A contiguous tensor like `loc` in this pool's copy buffer."""
@@ -103,6 +107,13 @@ class Guard:
         # The allocator call in progress that checks frees: (allocator, role family);
         # a nested one of the same family (free_page_ids calling free) is not counted twice.
         self.freeing: Optional[tuple[Any, str]] = None
+        self.steps = Steps()
+        self.step_site = site_id(STEP_LABEL)
+        self.bounds[self.step_site] = "size + page_size"
+        # Within one forward step (or one graph capture), the ids objects already probed
+        # on a pool: (pool, bound, region, ids, lens, live) -> (ids, what the write got).
+        self._memo: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._capturing = False
 
     def configure(self, config: Config) -> None:
         """New settings for the same wrappers (a second install())."""
@@ -119,33 +130,81 @@ class Guard:
             return backend is Backend.TORCH and not torch.cuda.is_current_stream_capturing()
         return backend is not Backend.TRITON
 
-    def check_write(self, pool: Any, site: int, region: int, loc: torch.Tensor, high: int, call: Call,
-                    lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def check_write(self, pool: Any, site: int, region: int, loc: torch.Tensor, high: int,
+                    layer: Callable[[], int], lens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Probe one write; returns the ids the write gets: `loc` itself, or (contained
-        modes) a cleaned private copy. `call` is read for the layer id only when needed.
+        modes) a cleaned private copy. `layer` is called only when a report needs it.
         With liveness on, ids checked against the pool's token-slot bound (the space its
-        shadow covers) are also checked against the shadow."""
+        shadow covers) are also checked against the shadow. Within a step (or a graph
+        capture) the same ids object on the same pool and bound is probed once."""
         state = self.state(pool, loc.device)
         live = state.live if state.live is not None and high == pool.size + pool.page_size else None
-        strict = self.config.mode is Mode.STRICT
+        key = None
+        if self._memo_on(loc):
+            key = (id(pool), high, region, id(loc), id(lens), live is not None)
+            hit = self._memo.get(key)
+            if hit is not None and hit[0] is loc and (hit[1] is loc or state.copied_for[region] is loc):
+                return hit[1]
+        passed = self._probe(state, site, region, loc, high, layer, lens, live)
+        if key is not None:
+            self._memo[key] = (loc, passed)
+        return passed
+
+    def _memo_on(self, loc: torch.Tensor) -> bool:
+        """Inside a forward step, or while a graph is captured: a capture starts a memo
+        of its own, so each captured graph holds its probe."""
+        capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing != self._capturing:
+            self._capturing = capturing
+            self._memo.clear()
+        return capturing or self.steps.open
+
+    def _probe(self, state: PoolState, site: int, region: int, loc: torch.Tensor, high: int,
+               layer: Callable[[], int], lens: Optional[torch.Tensor], live: Optional[probe.Live]) -> torch.Tensor:
         if self.on_host(loc):
             finding = probe.scan_host(loc, high, lens, live)
             if finding is None:
                 return loc
-            self._report_now(state, finding.record(site, _layer_id(*call), high, loc.numel()))
+            self._report_now(state, finding.record(site, layer(), high, loc.numel(), self.steps.number))
             return probe.cleaned(loc, high, lens, live)  # warn mode: the others raised
         if not loc.numel():
             return loc
-        asserts = strict and loc.is_cuda  # the device assert stops the stream before the write runs
+        asserts = self.config.mode is Mode.STRICT and loc.is_cuda  # the assert stops the stream before the write
         clean = None if asserts else state.copy_for(region, loc)  # (Triton's interpreter asserts nothing)
-        probe.launch(loc, high, site, _layer_id(*call), state.record.tensor, state.scratch, clean,
-                     self.message(site) if asserts else None, lens, live)
+        probe.launch(loc, high, site, layer(), state.record.tensor, state.scratch, self.steps.counter(state.device),
+                     clean, self.message(site) if asserts else None, lens, live)
+        if clean is not None:
+            state.copied_for[region] = loc
         if loc.is_cuda:
             state.saw_stream(loc.device.index)
         self.launched(state)
         return loc if clean is None else clean
 
+    # -- the forward step -------------------------------------------------------
+
+    def step_begin(self, runner: Any, batch: Any, pool: Any) -> None:
+        """A step boundary: report what landed, then check this step's out_cache_loc
+        once against the pool it targets (its copy serves the layers' writes)."""
+        self.steps.begin(runner, batch)
+        self._memo.clear()
+        for state in list(self.states):
+            self.publish(state, state.record.poll())
+        loc = getattr(batch, "out_cache_loc", None)
+        if isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size"):
+            self.check_write(pool, self.step_site, 0, loc, pool.size + pool.page_size, lambda: -1)
+
+    def step_end(self) -> None:
+        """The step's probes are enqueued: start each record's copy, read at the next step."""
+        self.steps.end()
+        self._memo.clear()
+        for state in list(self.states):
+            state.record.start_copy()
+
     def launched(self, state: PoolState) -> None:
+        """Outside forward steps (which read every record at their boundary), look at a
+        pool's record every `poll_every` probes."""
+        if self.steps.open:
+            return
         state.since_poll += 1
         if state.since_poll >= self.config.poll_every:
             state.since_poll = 0
@@ -161,15 +220,23 @@ class Guard:
         setattr(pool, STATE_ATTR, state)
         self.states.add(state)
         if device.type == "cuda":
-            self.warm_up(state, type(pool))
+            self.warm_up(state, pool.__dict__.get(SITES_ATTR) or self._sites(type(pool)))
         return state
 
-    def warm_up(self, state: PoolState, cls: type) -> None:
-        """Compile, by empty launches, every kernel variant this pool's writes can ask
-        for, so that serving and graph capture never compile."""
-        strict = self.config.mode is Mode.STRICT
+    def _sites(self, cls: type) -> dict[int, bool]:
+        """The sites a pool of this class probes: {site: whether it takes row lengths}."""
         sites = {site: found.rule.lens is not None for found in self.found if issubclass(cls, found.owner)
-                 for site in found.sites} if strict else {-1: any(f.rule.lens is not None for f in self.found)}
+                 for site in found.sites}
+        sites[self.step_site] = False
+        return sites
+
+    def warm_up(self, state: PoolState, sites: dict[int, bool]) -> None:
+        """Compile, by empty launches, every kernel variant this pool's writes can ask
+        for, so that serving and graph capture never compile. Strict mode compiles one
+        variant per site (its assert text); the others share theirs."""
+        strict = self.config.mode is Mode.STRICT
+        if not strict:
+            sites = {-1: any(sites.values())}
         lives = (None, probe.Live(state.scratch[:0].view(torch.int32), 1)) if self.config.liveness else (None,)
         for dtype in (torch.int64, torch.int32):
             loc = torch.empty(0, dtype=dtype, device=state.device)
@@ -177,8 +244,8 @@ class Guard:
                 for lens in (None, torch.empty(0, 0, dtype=dtype, device=state.device))[:1 + with_lens]:
                     for live in lives:
                         probe.launch(loc if lens is None else lens, 1, max(site, 0), -1, state.record.tensor,
-                                     state.scratch, None if strict else loc, self.message(site) if strict else None,
-                                     None if lens is None else lens[:, 0], live)
+                                     state.scratch, self.steps.counter(state.device), None if strict else loc,
+                                     self.message(site) if strict else None, None if lens is None else lens[:, 0], live)
 
     def message(self, site: int) -> str:
         """The device-side assert text of a site: a compile-time constant, under CUDA's 256 bytes."""
@@ -198,7 +265,9 @@ class Guard:
     def publish(self, state: PoolState, record: Optional[Record]) -> None:
         if state.record.unreported(record):
             assert record is not None
-            self.reporter.publish(state.serial, Violation.of(record, state.pool_name),
+            lay = self.steps.find(record.step) if record.step >= 0 and not free_param(record.site) else None
+            where = request_of(lay, record.pos, record.numel) if lay is not None else {"step": record.step}
+            self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **where),
                                   fatal=self.config.mode is not Mode.WARN)
 
     def check(self) -> None:
@@ -224,8 +293,6 @@ class Guard:
 
 
 def _assert_text(site: int, bound: str, liveness: bool) -> str:
-    from .report import free_param
-
     what = f"KV slot id outside [0, {bound})"
     if free_param(site):
         what = "freed id outside the pool, or not allocated (double free)"
@@ -260,7 +327,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                 loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
                 if not isinstance(loc, torch.Tensor):
                     continue
-                checked = check(instance, site, region, loc, high(instance), (args, kwargs, found), lens)
+                checked = check(instance, site, region, loc, high(instance), lambda: _layer_id(args, kwargs, found), lens)
                 if checked is not loc:
                     passed = checked if value is loc else dataclasses.replace(value, loc=checked)
                     args, kwargs = _replaced(args, kwargs, position, name, given, passed)

@@ -231,14 +231,15 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         finding = probe.scan_free(ids, high, live)
         contained = None
         if finding is not None:  # strict and raise: raised before the allocator took the ids
-            fold_host(state.record.tensor, finding.record(site, -1, high, ids.numel()))
+            fold_host(state.record.tensor, finding.record(site, -1, high, ids.numel(), guard.steps.number))
             guard.publish(state, state.record.read_now())
             contained = probe.live_only(ids, high, live)
         probe.release_host(ids, high, live)
         return contained
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT
-    probe.launch_free(ids, high, site, state.record.tensor, live, guard.message(site) if strict and ids.is_cuda else None)
+    probe.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
+                      guard.message(site) if strict and ids.is_cuda else None)
     guard.launched(state)
     return None
 
@@ -295,5 +296,5 @@ def _warm_up_frees(guard: Guard, state: PoolState, cls: type) -> None:
         site = free_site(method, role, cls)
         live = state.live if role is Role.FREE else state.live._replace(page=1)
         for dtype in (torch.int64, torch.int32):
-            probe.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor, live,
-                              guard.message(site) if strict else None)
+            probe.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor,
+                              guard.steps.counter(state.device), live, guard.message(site) if strict else None)

@@ -28,7 +28,10 @@ from .guard import Guard, attach_existing, make_constructor_hook, make_upstream_
 from .liveness import AllocatorMethod, allocator_targets
 from .liveness import make_wrapper as make_allocator_wrapper
 from .report import Violation, ensure_visible, logger
-from .targets import BASE_CLASS, MEMORY_POOL, UPSTREAM_PROBE, is_supported, version_of_sglang
+from .step import make_forward_hook
+from .targets import (BASE_CLASS, FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, UPSTREAM_PROBE, is_supported,
+                      module_file, version_of_sglang)
+from .writers import make_writer_wrapper
 
 _MISSING = object()
 
@@ -75,7 +78,39 @@ class Instrumentor:
         attach_existing(self.guard, (obj for obj in gc.get_objects() if issubclass(type(obj), base)))
         if self.guard.config.liveness:
             self.track_allocators()
+        self._when_imported(STEP_HOOK.module, self._hook_step)
+        for writer in FUSED_WRITERS:
+            for module in writer.modules:
+                self._when_imported(module, lambda mod, writer=writer: self._wrap_writer(mod, writer))
         return skipped
+
+    def _when_imported(self, module: str, apply: Callable[[ModuleType], None]) -> None:
+        """Run `apply` on the module when sglang imports it (now, if it has), while this
+        instrumentor is the active one; a failure is said, never raised into sglang."""
+        instrumentor = self
+
+        def hook(loaded: ModuleType) -> None:
+            if _active is instrumentor:
+                try:
+                    apply(loaded)
+                except Exception as exc:
+                    instrumentor.guard.internal_error(f"patching {loaded.__name__}", exc)
+
+        wrapt.register_post_import_hook(hook, module)
+
+    def _hook_step(self, module: ModuleType) -> None:
+        owner = getattr(module, STEP_HOOK.owner, None)
+        if owner is None or STEP_HOOK.method not in owner.__dict__:
+            logger.warning("sglang_oobguard: %s.%s.%s not found: no forward-step check in this sglang",
+                           STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)
+            return
+        if not any(p.owner is owner and p.name == STEP_HOOK.method for p in self.patches):
+            self._wrap(owner, STEP_HOOK.method, make_forward_hook(self.guard, STEP_HOOK.pool_attr))
+
+    def _wrap_writer(self, module: ModuleType, writer: Any) -> None:
+        if writer.function in module.__dict__ and not any(p.owner is module and p.name == writer.function
+                                                          for p in self.patches):
+            self._wrap(module, writer.function, make_writer_wrapper(writer, self.guard))
 
     def guard_classes(self, entries: list[Union[Found, Skipped]]) -> list[str]:
         """Wrap every Found; returns the Skipped that a reader should know of (a method
@@ -196,11 +231,24 @@ def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], 
                 config_mod.BACKEND_PATHS[config.backend],
                 sum(isinstance(entry, Found) for entry in _active.entries), version,
                 "on" if config.liveness else "off")
-    if skipped or not is_supported(version):
+    absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
+    if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
-                       "; ".join(skipped) or "nothing")
+                       "; ".join(skipped + absent) or "nothing")
     return _active.entries
+
+
+def _absent_hooks() -> list[tuple[str, str]]:
+    """The step check and fused writers whose module this sglang does not ship
+    (read from its files: nothing is imported)."""
+    absent = []
+    if module_file(STEP_HOOK.module) is None:
+        absent.append((f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method})", STEP_HOOK.module))
+    for writer in FUSED_WRITERS:
+        if all(module_file(module) is None for module in writer.modules):
+            absent.append((writer.label, " or ".join(writer.modules)))
+    return absent
 
 
 def _check_backend(config: config_mod.Config) -> None:

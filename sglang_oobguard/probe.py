@@ -39,9 +39,9 @@ class Finding(NamedTuple):
     pos: int
     value: int
 
-    def record(self, site: int, layer: int, high: int, numel: int) -> Record:
+    def record(self, site: int, layer: int, high: int, numel: int, step: int) -> Record:
         """This call as a record of its own (what `record.fold_host` folds in)."""
-        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value)
+        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value, step)
 
 
 class Live(NamedTuple):
@@ -187,6 +187,7 @@ _BAD = tl.constexpr(OFFSET["bad"])
 _NUMEL = tl.constexpr(OFFSET["numel"])
 _POS = tl.constexpr(OFFSET["pos"])
 _VALUE = tl.constexpr(OFFSET["value"])
+_STEP = tl.constexpr(OFFSET["step"])
 _NO_POS = tl.constexpr(2**62)  # "no bad id": above any position
 # The per-call scratch of a probe split over several programs (one such probe at a
 # time per pool): summed bad ids, the least bad position, and the ticket that elects
@@ -202,10 +203,12 @@ def _tally(bad, wide, offs, bad_count, first_pos, first_val):
 
 
 @triton.jit
-def _conclude(record_ptr, total, pos, value, n, high, site, layer, ASSERT: tl.constexpr, MESSAGE: tl.constexpr):
+def _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr,
+              ASSERT: tl.constexpr, MESSAGE: tl.constexpr):
     """Assert (strict on a GPU), then fold one call into the record with atomics, so
     probes on several streams neither lose counts nor mix two first violations: the
-    call that takes `calls` from 0 writes the details."""
+    call that takes `calls` from 0 writes the details, with the step number it reads
+    from the device counter (so a captured probe names the step of its replay)."""
     if ASSERT:
         tl.device_assert(total == 0, MESSAGE)
     hit = total > 0
@@ -219,6 +222,7 @@ def _conclude(record_ptr, total, pos, value, n, high, site, layer, ASSERT: tl.co
     tl.store(record_ptr + _NUMEL, n.to(tl.int64), mask=first)
     tl.store(record_ptr + _POS, pos, mask=first)
     tl.store(record_ptr + _VALUE, value, mask=first)
+    tl.store(record_ptr + _STEP, tl.load(step_ptr, mask=first, other=-1), mask=first)
 
 
 @triton.jit
@@ -232,11 +236,11 @@ def _id_ptrs(loc_ptr, offs, stride, row_len, row_stride, HAS_LENS: tl.constexpr)
 # One compiled variant per constexpr choice and id dtype: no integer is specialized on
 # its value and no pointer on its alignment, so serving never meets a new variant.
 @triton.jit(do_not_specialize=["n", "stride", "row_len", "row_stride", "high", "site", "layer", "live_page", "chunk"],
-            do_not_specialize_on_alignment=["loc_ptr", "lens_ptr", "record_ptr", "scratch_ptr", "live_ptr",
-                                            "clean_ptr"])
+            do_not_specialize_on_alignment=["loc_ptr", "lens_ptr", "record_ptr", "scratch_ptr", "step_ptr",
+                                            "live_ptr", "clean_ptr"])
 def _oob_probe_kernel(
     loc_ptr, n, stride, lens_ptr, row_len, row_stride, high, site, layer,
-    record_ptr, scratch_ptr, live_ptr, live_page, clean_ptr, chunk,
+    record_ptr, scratch_ptr, step_ptr, live_ptr, live_page, clean_ptr, chunk,
     HAS_LENS: tl.constexpr,
     HAS_LIVE: tl.constexpr,
     COPY: tl.constexpr,
@@ -278,7 +282,7 @@ def _oob_probe_kernel(
     pos = tl.min(first_pos, axis=0)
     if tl.num_programs(0) == 1:
         value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
-        _conclude(record_ptr, total, pos, value, n, high, site, layer, ASSERT, MESSAGE)
+        _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE)
     else:
         tl.atomic_add(scratch_ptr + 0, total)
         tl.atomic_min(scratch_ptr + 1, pos)
@@ -289,7 +293,7 @@ def _oob_probe_kernel(
             tl.atomic_xchg(scratch_ptr + 2, 0)
             at = _id_ptrs(loc_ptr, tl.minimum(pos, n - 1), stride, row_len, row_stride, HAS_LENS)
             value = tl.load(at, mask=total > 0, other=0).to(tl.int64)
-            _conclude(record_ptr, total, pos, value, n, high, site, layer, ASSERT, MESSAGE)
+            _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE)
 
 
 PROBE_BLOCK = 1024
@@ -306,13 +310,13 @@ def programs(n: int) -> tuple[int, int]:
 
 
 def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Tensor, scratch: torch.Tensor,
-           clean: torch.Tensor | None, message: str | None, lens: torch.Tensor | None = None,
+           step: torch.Tensor, clean: torch.Tensor | None, message: str | None, lens: torch.Tensor | None = None,
            live: Live | None = None) -> None:
     """Enqueue the probe for one write. `clean` set: a contiguous tensor of loc's
     numel and dtype that receives the cleaned copy. `message` set: a device-side
     assert with that text fails the process on a violation (strict mode on a GPU).
     `lens`: `loc` is (rows, cols) and row i writes only its first lens[i] ids.
-    `live`: also check that each id's page is live."""
+    `live`: also check that each id's page is live. `step`: the device's step counter."""
     if lens is not None:
         row_len, row_stride, stride = loc.shape[1], loc.stride(0), loc.stride(1)
     else:
@@ -323,7 +327,7 @@ def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Te
     _oob_probe_kernel[(grid,)](
         loc, n, stride,
         loc if lens is None else lens,  # unread without HAS_LENS
-        row_len, row_stride, high, site, layer, record, scratch,
+        row_len, row_stride, high, site, layer, record, scratch, step,
         record if live is None else live.flags,  # unread without HAS_LIVE
         1 if live is None else live.page,
         loc if clean is None else clean,  # unwritten without COPY
@@ -339,9 +343,9 @@ def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Te
 
 
 @triton.jit(do_not_specialize=["n", "stride", "high", "site", "layer", "live_page"],
-            do_not_specialize_on_alignment=["ids_ptr", "record_ptr", "live_ptr"])
+            do_not_specialize_on_alignment=["ids_ptr", "record_ptr", "step_ptr", "live_ptr"])
 def _free_probe_kernel(
-    ids_ptr, n, stride, high, site, layer, record_ptr, live_ptr, live_page,
+    ids_ptr, n, stride, high, site, layer, record_ptr, step_ptr, live_ptr, live_page,
     EXCLUSIVE: tl.constexpr,
     ASSERT: tl.constexpr,
     MESSAGE: tl.constexpr,
@@ -370,7 +374,7 @@ def _free_probe_kernel(
     total = tl.sum(bad_count, axis=0)
     pos = tl.min(first_pos, axis=0)
     value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
-    _conclude(record_ptr, total, pos, value, n, high, site, layer, ASSERT, MESSAGE)
+    _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE)
     if not EXCLUSIVE:
         tl.debug_barrier()  # every flag read above before any is cleared below
         for start in range(0, n, BLOCK):
@@ -381,12 +385,12 @@ def _free_probe_kernel(
             tl.store(live_ptr + wide // live_page, tl.zeros([BLOCK], dtype=tl.int32), mask=keep)
 
 
-def launch_free(ids: torch.Tensor, high: int, site: int, record: torch.Tensor, live: Live,
+def launch_free(ids: torch.Tensor, high: int, site: int, record: torch.Tensor, step: torch.Tensor, live: Live,
                 message: str | None) -> None:
     """Enqueue the check and release of one free (no host sync)."""
     flat = ids if ids.dim() == 1 else ids.reshape(-1)
     _free_probe_kernel[(1,)](
-        flat, flat.numel(), flat.stride(0), high, site, -1, record, live.flags, live.page,
+        flat, flat.numel(), flat.stride(0), high, site, -1, record, step, live.flags, live.page,
         EXCLUSIVE=live.page == 1, ASSERT=message is not None, MESSAGE=message or "", BLOCK=PROBE_BLOCK,
         debug=message is not None,
     )

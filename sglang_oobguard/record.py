@@ -4,7 +4,8 @@ One layout, `Record`'s fields in order, serves both probe paths: the kernel stor
 each field at its index (`OFFSET`), the host scan folds into the same tensor with
 `fold_host`. On a GPU the record is read back without a host sync: a pinned host
 mirror is refreshed by an async copy, and read only once its event has completed
-(`poll`), so a report lands at most one poll later. `read_now` is the explicit check
+(`poll`), so a report lands at most one poll later (a forward step's end starts the
+copy, the next step's start reads it). `read_now` is the explicit check
 point, which may sync.
 """
 
@@ -27,6 +28,7 @@ class Record(NamedTuple):
     numel: int  # first violation: ids in that call
     pos: int  # first violation: position of the first bad id
     value: int  # first violation: its value
+    step: int  # first violation: the forward step it came from (-1: outside any step)
 
 
 RECORD_LEN = len(Record._fields)
@@ -56,17 +58,24 @@ class PoolRecord:
     def poll(self) -> Optional[Record]:
         """The record as of the last landed mirror copy, then start the next copy.
         Never waits: an unfinished copy is left for the next poll; None when nothing
-        new can be read yet. Not during graph capture (a copy would be captured)."""
+        new can be read yet (and under graph capture, when no copy may be enqueued)."""
         if self._copied is not None and torch.cuda.is_current_stream_capturing():
             return None
         if self._pending and self._copied is not None and not self._copied.query():
             return None
         landed = Record(*self._mirror_view.tolist()) if self._pending else None
+        self.start_copy()
+        return landed
+
+    def start_copy(self) -> None:
+        """Enqueue the mirror's refresh behind what the stream has enqueued so far (a
+        step's end: its probes), so the next poll can read it. Not under graph capture."""
+        if self._copied is not None and torch.cuda.is_current_stream_capturing():
+            return
         self._mirror.copy_(self.tensor, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self._pending = True
-        return landed
 
     def read_now(self) -> Record:
         """The record as it is now (a host read: may sync on a GPU)."""

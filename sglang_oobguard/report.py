@@ -92,22 +92,46 @@ class Violation:
     total_bad: int
     calls: int
     freed: Optional[str] = None  # a free site: the name of the freed ids' parameter
+    # Where in serving (a write inside a forward step; see `step`): -1 / None when unknown.
+    step: int = -1  # the process's forward step number
+    mode: Optional[str] = None  # sglang's forward mode: extend, decode, target_verify, draft_extend, idle, ...
+    batch_size: Optional[int] = None
+    request: Optional[str] = None  # the request's rid (or, before rids, its req_pool_indices entry)
+    token: Optional[int] = None  # the token's index within its request
+    ranks: Optional[str] = None  # "tp 1, pp 0, dp 0"
 
     @classmethod
-    def of(cls, record: "Record", pool: str) -> "Violation":
-        """A pool's record, as the report names it."""
+    def of(cls, record: "Record", pool: str, **where: object) -> "Violation":
+        """A pool's record, as the report names it; `where`: the step fields."""
         return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
-                   record.pos, record.value, record.total_bad, record.calls, free_param(record.site))
+                   record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
+                   **where)  # type: ignore[arg-type]
+
+    def context(self) -> str:
+        """Where in serving it happened, when known: step, mode, batch, request, token, ranks."""
+        parts = []
+        if self.step >= 0:
+            parts.append(f"step {self.step}" + (f" ({self.mode}, batch {self.batch_size})" if self.mode else ""))
+        if self.request is not None:
+            parts.append(f"request {self.request}" + (f" token {self.token}" if self.token is not None else ""))
+        if self.ranks:
+            parts.append(self.ranks)
+        return "; ".join(parts)
 
     def __str__(self) -> str:
-        layer = self.layer if self.layer >= 0 else "?"
-        head = f"{self.label}: " if self.freed else f"{self.label} layer {layer}: "
+        head = f"{self.label}: " if self.freed or self.layer < 0 else f"{self.label} layer {self.layer}: "
         name = self.freed or "loc"
         if 0 <= self.value < self.high:
             tail = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
             return (f"{head}{name}[{self.pos}] = {self.value} is not allocated "
                     f"({'double free' if self.freed else 'freed'}){tail}")
         return f"{head}{self.bad} of {self.numel} slot ids outside [0, {self.high}): {name}[{self.pos}] = {self.value}"
+
+
+def described(violation: Violation) -> str:
+    """The one-line report: the violation, its pool, and where in serving."""
+    context = violation.context()
+    return f"{violation} (pool {violation.pool})" + (f"; {context}" if context else "")
 
 
 def _contained(violation: Violation) -> str:
@@ -125,7 +149,7 @@ class KVOutOfBoundsError(IndexError):
 
     def __init__(self, violation: Violation) -> None:
         self.violation = violation
-        super().__init__(f"{violation} (pool {violation.pool})")
+        super().__init__(described(violation))
 
     def __getattr__(self, name: str) -> object:
         """The violation's fields, read through (one schema: no copies)."""
@@ -152,13 +176,13 @@ class Reporter:
     def _warn(self, violation: Violation) -> None:
         now = time.monotonic()
         if self._last_log is None:
-            logger.warning("sglang_oobguard: %s: %s (pool %s)", _contained(violation), violation, violation.pool)
+            logger.warning("sglang_oobguard: %s: %s", _contained(violation), described(violation))
         elif now - self._last_log >= self.warn_interval_s:
             bad = sum(v.total_bad for v in self.latest.values())
             calls = sum(v.calls for v in self.latest.values())
             logger.warning("sglang_oobguard: bad KV slot ids so far: %d in %d calls "
-                           "(%d reports not logged since the last line); latest: %s (pool %s)",
-                           bad, calls, self._suppressed, violation, violation.pool)
+                           "(%d reports not logged since the last line); latest: %s",
+                           bad, calls, self._suppressed, described(violation))
         else:
             self._suppressed += 1
             return

@@ -138,6 +138,44 @@ LABELS: dict[tuple[str, str], str] = {
 }
 
 
+# -- outside the pool classes: the forward step and the fused writers -------------
+
+
+@dataclass(frozen=True)
+class StepHook:
+    """The method every forward pass runs through: `method(self, forward_batch, ...)`;
+    the runner's `pool_attr` is the pool its out_cache_loc indexes."""
+
+    module: str
+    owner: str
+    method: str
+    pool_attr: str
+
+
+STEP_HOOK = StepHook("sglang.srt.model_executor.model_runner", "ModelRunner", "forward", "token_to_kv_pool")
+
+
+@dataclass(frozen=True)
+class Writer:
+    """A KV writer outside the pool classes: a module function that writes K/V rows at
+    ids it takes itself. Looked up by sglang at call time in `module` (its callers
+    reach it through that module's globals), so it is wrapped there."""
+
+    modules: tuple[str, ...]  # where it lives, newest release first
+    function: str
+    ids: Ids  # position among the function's arguments
+    rows: tuple[int, str]  # the argument whose rows the ids index: the bound is its shape[0]
+    label: str
+
+
+FUSED_WRITERS = (
+    # The fused RoPE + KV store (Qwen3-MoE, bailing/Ling, LLaDA2, SDAR, ... with bf16 KV on
+    # CUDA): the attention backend then runs with save_kv_cache=False, no pool method writes.
+    Writer(("sglang.kernels.ops.attention.rope", "sglang.jit_kernel.rope"), "apply_rope_inplace_with_kvcache",
+           Ids(7, ("out_loc",)), (3, "k_cache"), "apply_rope_inplace_with_kvcache (fused RoPE + KV store)"),
+)
+
+
 def rule_for(class_name: str, method: str) -> Optional[Rule]:
     return OWN.get((class_name, method)) or CONTRACT.get(method)
 
@@ -183,6 +221,23 @@ ALLOCATOR_METHODS: dict[str, Role] = {
     "backup_state": Role.BACKUP,  # before 0.5.2x
     "restore_state": Role.RESTORE,
 }
+
+
+def module_file(module: str) -> Optional[str]:
+    """Where sglang keeps `module` (a.b.c -> .../a/b/c.py), found without importing it."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    top, _, rest = module.partition(".")
+    spec = find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        base = Path(root, *rest.split("."))
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return str(path)
+    return None
 
 
 def version_of_sglang() -> str:

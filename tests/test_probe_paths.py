@@ -12,6 +12,9 @@ from sglang_oobguard import probe
 from sglang_oobguard.record import Record, fold_host
 
 
+STEP = 5  # the step counter the kernel reads and the host folds in
+
+
 def new_record():
     return torch.zeros(len(Record._fields), dtype=torch.int64)
 
@@ -20,7 +23,7 @@ def kernel(loc, high, site, layer, record, lens=None, live=None):
     """The kernel path (Triton's interpreter here): returns its cleaned copy; `loc` is only read."""
     clean = torch.empty_like(loc, memory_format=torch.contiguous_format)
     scratch = torch.tensor(probe.SCRATCH_INIT)
-    probe.launch(loc, high, site, layer, record, scratch, clean, None, lens, live)
+    probe.launch(loc, high, site, layer, record, scratch, torch.tensor([STEP]), clean, None, lens, live)
     assert scratch.tolist() == list(probe.SCRATCH_INIT)  # a split probe leaves its scratch as it found it
     return clean
 
@@ -35,7 +38,7 @@ def host_path(loc, high, site, layer, record):
     finding = probe.scan_host(loc, high)
     if finding is None:
         return None, loc
-    fold_host(record, finding.record(site, layer, high, loc.numel()))
+    fold_host(record, finding.record(site, layer, high, loc.numel(), STEP))
     return finding, probe.cleaned(loc, high)
 
 
@@ -67,7 +70,7 @@ def test_both_paths_agree_with_the_oracle_and_each_other(case):
         if want:
             expected_total += want[0]
             expected_calls += 1
-            first = first or Record(0, 0, site, 7, high, want[0], len(ids), want[1], want[2])
+            first = first or Record(0, 0, site, 7, high, want[0], len(ids), want[1], want[2], STEP)
     assert torch.equal(host_rec, dev_rec)
     got = Record(*dev_rec.tolist())
     assert (got.total_bad, got.calls) == (expected_total, expected_calls)
@@ -99,7 +102,7 @@ def test_a_probe_split_over_programs_folds_like_one(n):
     record = new_record()
     clean = kernel(loc, 1000, 4, 2, record)
     want = oracle(loc.tolist(), 1000)
-    assert Record(*record.tolist()) == Record(7, 1, 4, 2, 1000, 7, n, want[1], want[2])
+    assert Record(*record.tolist()) == Record(7, 1, 4, 2, 1000, 7, n, want[1], want[2], STEP)
     assert torch.equal(clean, probe.cleaned(loc, 1000))
     kernel(loc.clamp(0, 999), 1000, 4, 2, record)
     assert Record(*record.tolist()).calls == 1
