@@ -12,7 +12,7 @@ from .discover import Found, Skipped, import_pool_modules
 from .liveness import allocator_targets
 from .patch import coverage
 from .report import site_label
-from .targets import SUPPORTED, TESTED, is_supported, version_of_sglang
+from .targets import FUSED_WRITERS, STEP_HOOK, SUPPORTED, TESTED, is_supported, module_file, version_of_sglang
 
 
 def run() -> int:
@@ -57,11 +57,36 @@ def run() -> int:
         for row in rows:
             print(f"  {row.qualname:48} {row.reason}")
     _print_allocators()
+    _print_outside_pools()
     if unimported:
         print("pool modules that do not import here (their classes are not listed):")
         for module, why in unimported.items():
             print(f"  {module}: {why[:150]}")
     return 0
+
+
+def _print_outside_pools() -> None:
+    """The forward-step check and the fused writers: present in this sglang or not."""
+    import importlib
+
+    def found(module: str, owner: str, name: str) -> str:
+        if module_file(module) is None:
+            return f"ABSENT (no {module} in this sglang)"
+        try:
+            loaded = importlib.import_module(module)
+        except Exception as exc:  # a module the CPU cannot import: said, not hidden
+            return f"not importable here ({type(exc).__name__}: {str(exc)[:80]})"
+        target = getattr(loaded, owner, None) if owner else loaded
+        return f"found in {module}" if target is not None and name in vars(target) else f"ABSENT ({name} not in {module})"
+
+    print("forward step (one check of out_cache_loc per step, reports at step boundaries):")
+    print(f"  {STEP_HOOK.owner}.{STEP_HOOK.method:40} "
+          f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}")
+    print("fused writers (KV stores outside the pool methods, checked against their buffer's rows):")
+    for writer in FUSED_WRITERS:
+        states = [found(module, "", writer.function) for module in writer.modules]
+        here = next((state for state in states if state.startswith("found")), states[0])
+        print(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.rows[1]}.shape[0]): {here}")
 
 
 def _print_allocators() -> None:

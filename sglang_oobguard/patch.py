@@ -78,25 +78,17 @@ class Instrumentor:
         attach_existing(self.guard, (obj for obj in gc.get_objects() if issubclass(type(obj), base)))
         if self.guard.config.liveness:
             self.track_allocators()
-        self._when_imported(STEP_HOOK.module, self._hook_step)
-        for writer in FUSED_WRITERS:
-            for module in writer.modules:
-                self._when_imported(module, lambda mod, writer=writer: self._wrap_writer(mod, writer))
+        for module in _hooked_modules():
+            _when_imported(module)
         return skipped
 
-    def _when_imported(self, module: str, apply: Callable[[ModuleType], None]) -> None:
-        """Run `apply` on the module when sglang imports it (now, if it has), while this
-        instrumentor is the active one; a failure is said, never raised into sglang."""
-        instrumentor = self
-
-        def hook(loaded: ModuleType) -> None:
-            if _active is instrumentor:
-                try:
-                    apply(loaded)
-                except Exception as exc:
-                    instrumentor.guard.internal_error(f"patching {loaded.__name__}", exc)
-
-        wrapt.register_post_import_hook(hook, module)
+    def patch_module(self, module: ModuleType) -> None:
+        """A module outside the pools was imported: hook what the targets name in it."""
+        if module.__name__ == STEP_HOOK.module:
+            self._hook_step(module)
+        for writer in FUSED_WRITERS:
+            if module.__name__ in writer.modules:
+                self._wrap_writer(module, writer)
 
     def _hook_step(self, module: ModuleType) -> None:
         owner = getattr(module, STEP_HOOK.owner, None)
@@ -182,6 +174,31 @@ class Instrumentor:
 
 
 _active: Optional[Instrumentor] = None
+_watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hooks for the process)
+
+
+def _hooked_modules() -> list[str]:
+    return [STEP_HOOK.module, *(module for writer in FUSED_WRITERS for module in writer.modules)]
+
+
+def _when_imported(module: str) -> None:
+    """Patch `module` for the active instrumentor: now if it is imported, else when it
+    is. One hook per module for the process, which reaches whichever instrumentor is
+    active then (an uninstalled one is not kept alive by it)."""
+    if module in _watched:
+        if module in sys.modules and _active is not None:
+            _on_import(sys.modules[module])
+        return
+    _watched.add(module)
+    wrapt.register_post_import_hook(_on_import, module)
+
+
+def _on_import(module: ModuleType) -> None:
+    if _active is not None:
+        try:
+            _active.patch_module(module)
+        except Exception as exc:  # never raised into sglang's import
+            _active.guard.internal_error(f"patching {module.__name__}", exc)
 
 
 def base_class() -> Union[type, str]:
