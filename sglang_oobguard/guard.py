@@ -165,7 +165,7 @@ class Guard:
             finding = probe.scan_host(loc, high, lens, live)
             if finding is None:
                 return loc
-            self._report_now(state, finding.record(site, layer(), high, loc.numel(), self.steps.number))
+            self.report_now(state, finding.record(site, layer(), high, loc.numel(), self.steps.number))
             return probe.cleaned(loc, high, lens, live)  # warn mode: the others raised
         if not loc.numel():
             return loc
@@ -257,10 +257,12 @@ class Guard:
 
     # -- reporting ------------------------------------------------------------
 
-    def _report_now(self, state: PoolState, call: Record) -> None:
-        """A host finding: fold it into the record and publish at once (raises unless warn)."""
+    def report_now(self, state: PoolState, call: Record) -> None:
+        """A host finding: fold it into the record and publish this call (with the
+        running totals) at once; raises unless warn."""
         fold_host(state.record.tensor, call)
-        self.publish(state, state.record.read_now())
+        totals = state.record.read_now()
+        self.publish(state, call._replace(total_bad=totals.total_bad, calls=totals.calls))
 
     def publish(self, state: PoolState, record: Optional[Record]) -> None:
         if state.record.unreported(record):

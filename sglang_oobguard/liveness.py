@@ -29,7 +29,6 @@ from . import probe
 from .config import Mode
 from .discover import Method, by_design, pool_classes
 from .guard import Guard, PoolState
-from .record import fold_host
 from .report import KVOutOfBoundsError, free_site_id, logger
 from .targets import (ALLOCATOR_BASE, ALLOCATOR_METHODS, ALLOCATOR_MODULE, BASE_CLASS, MEMORY_POOL,
                       POOL_OF_ALLOCATOR, TOKEN_SLOTS, TRACKED_ALLOCATORS, Role)
@@ -231,8 +230,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         finding = probe.scan_free(ids, high, live)
         contained = None
         if finding is not None:  # strict and raise: raised before the allocator took the ids
-            fold_host(state.record.tensor, finding.record(site, -1, high, ids.numel(), guard.steps.number))
-            guard.publish(state, state.record.read_now())
+            guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number))
             contained = probe.live_only(ids, high, live)
         probe.release_host(ids, high, live)
         return contained
