@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton import knobs as _knobs
 
 from .record import OFFSET, Record
 
@@ -296,6 +297,46 @@ def _oob_probe_kernel(
             _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE)
 
 
+class _Launcher:
+    """Launches a kernel variant through its compiled handle once it has one, as torch
+    inductor's static launcher does: Triton's `kernel[grid](...)` binds the arguments,
+    builds a specialization key and looks the variant up on every call, which is most
+    of a probe's host time. The first call of each variant goes the plain way (it
+    compiles, or finds the warm-up's compile) and keeps the handle; a Triton whose
+    handle lacks what is needed (or its interpreter, which returns none) stays on the
+    plain path."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple, object] = {}
+
+    def __call__(self, kernel: triton.JITFunction, grid: int, key: tuple, args: tuple, constexprs: dict,
+                 debug: bool) -> None:
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            full = (*args, *constexprs.values())
+            stream = torch._C._cuda_getCurrentRawStream(key[0])
+            enter = _knobs.runtime.launch_enter_hook
+            meta = compiled.launch_metadata((grid, 1, 1), stream, *full) if enter is not None else None
+            compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, enter,
+                         _knobs.runtime.launch_exit_hook, *full)
+            return
+        handle = kernel[(grid,)](*args, **constexprs, debug=debug)
+        if key[0] >= 0 and all(hasattr(handle, name) for name in ("run", "function", "packed_metadata",
+                                                                   "launch_metadata")):
+            self._compiled[key] = handle
+
+
+_launch = _Launcher()
+
+
+def _key(kernel: object, loc: torch.Tensor, lens: torch.Tensor | None, high: int, constexprs: dict) -> tuple:
+    """What picks a compiled variant: the device (first: the launch's stream is its),
+    the kernel, the pointers' dtypes, whether an integer needs 64 bits, the constexprs."""
+    index = loc.device.index if loc.is_cuda and loc.device.index is not None else -1
+    return (index, id(kernel), loc.dtype, None if lens is None else lens.dtype,
+            high >= 2**31 or loc.numel() >= 2**31, *constexprs.values())
+
+
 PROBE_BLOCK = 1024
 SPLIT_ABOVE = 8192  # more ids than this: several programs (a 64k prefill chunk is 8 of them)
 SPLIT_CHUNK = 8192
@@ -324,22 +365,18 @@ def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Te
         row_len, row_stride, stride = 1, 0, loc.stride(0)
     n = loc.numel()
     grid, chunk = programs(n)
-    _oob_probe_kernel[(grid,)](
-        loc, n, stride,
-        loc if lens is None else lens,  # unread without HAS_LENS
-        row_len, row_stride, high, site, layer, record, scratch, step,
-        record if live is None else live.flags,  # unread without HAS_LIVE
-        1 if live is None else live.page,
-        loc if clean is None else clean,  # unwritten without COPY
-        chunk,
-        HAS_LENS=lens is not None,
-        HAS_LIVE=live is not None,
-        COPY=clean is not None,
-        ASSERT=message is not None,
-        MESSAGE=message or "",
-        BLOCK=PROBE_BLOCK,
-        debug=message is not None,  # keeps tl.device_assert compiled in
-    )
+    constexprs = dict(HAS_LENS=lens is not None, HAS_LIVE=live is not None, COPY=clean is not None,
+                      ASSERT=message is not None, MESSAGE=message or "", BLOCK=PROBE_BLOCK)
+    args = (loc, n, stride,
+            loc if lens is None else lens,  # unread without HAS_LENS
+            row_len, row_stride, high, site, layer, record, scratch, step,
+            record if live is None else live.flags,  # unread without HAS_LIVE
+            1 if live is None else live.page,
+            loc if clean is None else clean,  # unwritten without COPY
+            chunk)
+    # debug keeps tl.device_assert compiled in
+    _launch(_oob_probe_kernel, grid, _key(_oob_probe_kernel, loc, lens, high, constexprs), args, constexprs,
+            message is not None)
 
 
 @triton.jit(do_not_specialize=["n", "stride", "high", "site", "layer", "live_page"],
@@ -389,8 +426,7 @@ def launch_free(ids: torch.Tensor, high: int, site: int, record: torch.Tensor, s
                 message: str | None) -> None:
     """Enqueue the check and release of one free (no host sync)."""
     flat = ids if ids.dim() == 1 else ids.reshape(-1)
-    _free_probe_kernel[(1,)](
-        flat, flat.numel(), flat.stride(0), high, site, -1, record, step, live.flags, live.page,
-        EXCLUSIVE=live.page == 1, ASSERT=message is not None, MESSAGE=message or "", BLOCK=PROBE_BLOCK,
-        debug=message is not None,
-    )
+    constexprs = dict(EXCLUSIVE=live.page == 1, ASSERT=message is not None, MESSAGE=message or "", BLOCK=PROBE_BLOCK)
+    args = (flat, flat.numel(), flat.stride(0), high, site, -1, record, step, live.flags, live.page)
+    _launch(_free_probe_kernel, 1, _key(_free_probe_kernel, flat, None, high, constexprs), args, constexprs,
+            message is not None)
