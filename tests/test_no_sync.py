@@ -85,7 +85,7 @@ HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard.launched, guard_mod.Gua
             guard_mod.make_wrapper, guard_mod._layer_id, guard_mod._replaced, probe.launch, probe.programs,
             record.PoolRecord.poll, record.PoolRecord.unreported, liveness.check_free, probe.launch_free,
             probe.mark, liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end,
-            liveness._update, liveness._counted]
+            liveness._update, liveness._counted, probe._Launcher.__call__, probe._key]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 
