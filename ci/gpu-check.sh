@@ -3,8 +3,8 @@
 # .gpukit/ carried (bash ci/gpu-kit.sh makes it):
 #
 #   bash ci/gpu-check.sh            # install the kit, then four parts, then the report
-#   bash ci/gpu-check.sh --dry-run  # here, on a CPU: the repo's .venv, no kit; the GPU
-#                                   # tests skip and the benchmark runs its dry run
+#   bash ci/gpu-check.sh --dry-run  # here, on a CPU: the repo's .venv (or OOBGUARD_PYTHON),
+#                                   # no kit; the GPU tests skip, the benchmark runs its dry run
 #
 # Parts, each with its own hard time limit, each reported whatever the others did:
 #   install  the kit's wheels into /tmp/site (--no-deps, beside the machine's torch)
@@ -42,7 +42,7 @@ part() {  # part NAME LIMIT_S COMMAND...: run it under timeout, keep its cmd, rc
 }
 
 if ((dry)); then
-  python="$root/.venv/bin/python"
+  python="${OOBGUARD_PYTHON:-$root/.venv/bin/python}"
   [[ -x "$python" ]] || python="$(bash ci/setup-env.sh)/bin/python"
   echo "install skipped: dry run, the repo's .venv ($python)" > "$work/install.log"
   echo "(none: dry run)" > "$work/install.cmd"

@@ -81,6 +81,7 @@ import sglang.srt.utils.async_probe
 print(f"gpu-kit verify: sglang {sglang.__version__} pools import beside torch {torch.__version__}, "
       f"triton {triton.__version__}, transformers {transformers.__version__}")
 EOF
-# The host-path pool tests; the triton-backend cases fail in triton 3.6's interpreter
-# (a CPU-only path; see the report), so they are left out here.
-"$venv/bin/python" -m pytest -q -k "not triton" tests/test_sites.py tests/test_writes.py tests/test_gpu.py
+# The host-path pool tests. The cases that force our kernel into triton 3.6's CPU
+# interpreter are left out: that interpreter fails on its `range(0, n, BLOCK)` loop
+# ("only 0-dimensional arrays can be converted to Python scalars"), a CPU-only path.
+"$venv/bin/python" -m pytest -q -k "not triton" tests/test_sites.py tests/test_liveness.py tests/test_gpu.py
