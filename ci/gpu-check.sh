@@ -50,7 +50,7 @@ if ((dry)); then
   report_args=(--dry-run)
 else
   python=python3
-  part install 40 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  part install 50 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .gpukit/*.whl
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
   bench_args=()
@@ -58,5 +58,5 @@ else
 fi
 part env 70 "$python" bench/gpu_report.py env --json "$out/env.json"
 part tests 100 "$python" -m pytest tests/test_gpu.py -v --junitxml "$out/junit.xml"
-part bench 120 "$python" bench/gpu_probe.py "${bench_args[@]}" --json "$out/bench.json"
+part bench 110 "$python" bench/gpu_probe.py "${bench_args[@]}" --json "$out/bench.json"
 "$python" bench/gpu_report.py write "$work" "$out" "${report_args[@]}"
