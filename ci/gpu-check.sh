@@ -21,6 +21,7 @@ dry=0
 [[ "${1:-}" == --dry-run ]] && dry=1
 out="${OOBGUARD_GPU_REPORT_DIR:-${OUT:-$root/bench/results}}"
 mkdir -p "$out"
+rm -f "$out"/{report.md,report.json,junit.xml,env.json,bench.json}  # never report an earlier run's files
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 export PYTHONUNBUFFERED=1 SGLANG_JIT_CACHE_DIR=/tmp/sglang-jit

@@ -19,8 +19,8 @@
 #   imports in quantization and fused_moe modules). Its wheel (sglang-kernel 0.4.10)
 #   is 373 MB, far over what a call carries, so gpu-check.sh puts the repo's
 #   test-only stand-in (tests/standins/sgl_kernel: raises if called) on PYTHONPATH;
-#   no pool write or allocator path calls it. An import with CUDA simulated on this
-#   CPU went through with it.
+#   no pool write or allocator path calls it. --verify imports the pools with CUDA
+#   simulated on this CPU, with the stand-in.
 # - MHATokenToKVPool.set_kv_buffer on CUDA goes through _set_kv_buffer_impl, which asks
 #   can_use_store_cache(): a JIT build of sglang.kernels' store_cache
 #   (csrc/elementwise/kvcache.cuh) by load_jit: tvm-ffi's headers and libtvm_ffi (the
@@ -80,6 +80,27 @@ import sglang.srt.mem_cache.allocator, sglang.srt.mem_cache.memory_pool, sglang.
 import sglang.srt.utils.async_probe
 print(f"gpu-kit verify: sglang {sglang.__version__} pools import beside torch {torch.__version__}, "
       f"triton {triton.__version__}, transformers {transformers.__version__}")
+EOF
+# The same imports as sglang makes them on CUDA (is_cuda() true; torch's device queries
+# answered as an H200's), with the sgl_kernel stand-in that gpu-check.sh uses.
+PYTHONPATH="$PYTHONPATH:$root/tests/standins" "$venv/bin/python" -W ignore - <<'EOF'
+import sys
+import torch
+
+class H200:
+    major, minor, name, total_memory, multi_processor_count, gcnArchName = 9, 0, "H200", 141 << 30, 132, ""
+
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.current_device = lambda: 0
+torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+torch.cuda.get_device_name = lambda *a, **k: "H200 (simulated)"
+torch.cuda.get_device_properties = lambda *a, **k: H200()
+import sglang.srt.mem_cache.allocator, sglang.srt.mem_cache.memory_pool, sglang.srt.model_executor.runner
+from sglang.srt.utils.common import is_cuda
+
+assert is_cuda(), "the simulation did not take"
+print(f"gpu-kit verify: the same imports under simulated CUDA, sgl_kernel from {sys.modules['sgl_kernel'].__file__}")
 EOF
 # The host-path pool tests. The cases that force our kernel into triton 3.6's CPU
 # interpreter are left out: that interpreter fails on its `range(0, n, BLOCK)` loop

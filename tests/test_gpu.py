@@ -146,13 +146,17 @@ def test_the_guarded_path_never_syncs_the_host(mp, guard, mode, liveness, record
     pool = cuda_pool(mp)
     k = kv(4)
 
-    def serve(alloc) -> None:
+    def serve(alloc) -> int:
+        """Eight decode-like steps: alloc, write four layers, free every other step; the writes made."""
+        writes = 0
         for step in range(8):
             loc = alloc.alloc(4)
             for layer in range(4):
                 pool.set_kv_buffer(Layer(layer), loc, k, k)
+                writes += 1
             if step % 2:
                 alloc.free(loc)
+        return writes
 
     serve(token_allocator(allocator, pool))  # warm-up, unguarded
     with sync_errors():
@@ -162,8 +166,8 @@ def test_the_guarded_path_never_syncs_the_host(mp, guard, mode, liveness, record
     serve(alloc)  # warm-up: compiles, the first mirror copies
     torch.cuda.synchronize()
     with sync_errors():
-        serve(alloc)
-    record_property("guarded_writes_without_sync", 32)
+        writes = serve(alloc)
+    record_property("guarded_writes_without_sync", writes)
     sglang_oobguard.check()  # a check point may sync: outside the block
     assert sglang_oobguard.violations() == []
 
