@@ -121,15 +121,18 @@ def direct_probe(device: str) -> Callable[[torch.Tensor, bool], Callable[[], Non
     code here that knows `probe`'s internals (record, shadow, launch's signature):
     everything else goes through the public API."""
     from sglang_oobguard import probe
+    from sglang_oobguard.record import PoolRecord
 
-    record = probe.new_record(device)
+    record = PoolRecord(torch.device(device)).tensor
+    scratch = torch.tensor(probe.SCRATCH_INIT, dtype=torch.int64, device=device)
+    step = torch.zeros(1, dtype=torch.int64, device=device)
     live = probe.new_live(HIGH, 1, torch.device(device))
     live.flags.fill_(1)
-    message = f"sglang_oobguard: set_kv_buffer (MHA): KV slot id outside [0, {HIGH})"
+    message = "sglang_oobguard: set_kv_buffer (MHA): KV slot id outside [0, size + page_size)"
 
     def make(loc: torch.Tensor, with_live: bool) -> Callable[[], None]:
         shadow = live if with_live else None
-        return lambda: probe.launch(loc, HIGH, 0, 0, record, message, live=shadow)
+        return lambda: probe.launch(loc, HIGH, 0, 0, record, scratch, step, None, message, live=shadow)
 
     return make
 

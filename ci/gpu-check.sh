@@ -9,11 +9,11 @@
 # Parts, each with its own hard time limit, each reported whatever the others did:
 #   install  the kit's wheels into /tmp/site (--no-deps, beside the machine's torch)
 #   env      bench/gpu_report.py env: GPU, versions, pool imports, sglang's JIT kernel
-#   tests    pytest tests/test_gpu.py -v, junit xml
+#   tests    pytest tests/test_gpu.py tests/test_gpu_observer.py -v, junit xml
 #   bench    bench/gpu_probe.py --json
 # then bench/gpu_report.py write: report.md, report.json (plus junit.xml, env.json,
 # bench.json) in OOBGUARD_GPU_REPORT_DIR, else $OUT, else bench/results/.
-# The limits add up to 330 s, so the whole check ends in under 6 minutes.
+# The limits add up to 370 s, so the whole check ends in under 7 minutes.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -58,6 +58,6 @@ else
   report_args=()
 fi
 part env 70 "$python" bench/gpu_report.py env --json "$out/env.json"
-part tests 100 "$python" -m pytest tests/test_gpu.py -v --junitxml "$out/junit.xml"
+part tests 140 "$python" -m pytest tests/test_gpu.py tests/test_gpu_observer.py -v --junitxml "$out/junit.xml"
 part bench 110 "$python" bench/gpu_probe.py "${bench_args[@]}" --json "$out/bench.json"
 "$python" bench/gpu_report.py write "$work" "$out" "${report_args[@]}"

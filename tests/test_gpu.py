@@ -45,7 +45,7 @@ def test_strict_fails_the_process_at_the_next_sync_with_label_and_bound():
     proc = run_python(code, {"TRITON_INTERPRET": None})
     assert "enqueued" in proc.stdout and "survived" not in proc.stdout
     assert proc.returncode != 0
-    assert "set_kv_buffer (MHA): KV slot id outside [0, 65)" in proc.stdout + proc.stderr
+    assert "set_kv_buffer (MHA): KV slot id outside [0, size + page_size)" in proc.stdout + proc.stderr
 
 
 def test_raise_surfaces_at_check_and_contains(mp, guard):
@@ -282,3 +282,44 @@ def test_one_launch_per_guarded_write_and_per_layer_of_a_decode_step(mp, guard, 
     record_property("launches_per_step", f"{plain_step:g} unguarded, {guarded_step:g} guarded ({layers} layers)")
     assert guarded_write - plain_write == 1, f"guarded {names}, unguarded {plain_names}"
     assert guarded_step - plain_step == layers
+
+
+def test_each_captured_graph_holds_one_probe_after_sglangs_eager_warm_up(mp, guard, monkeypatch, record_property):
+    """sglang's capture: per batch size, eager runs with the same buffers, then the
+    capture. The eager runs (outside any forward step) probe every write; each capture
+    holds exactly one probe for its L layers, and that probe re-checks at every replay."""
+    from sglang_oobguard import probe
+
+    layers = 8
+    guard("raise", poll_every=1000)
+    pool = cuda_pool(mp, layers=layers)
+    k = kv(4)
+    real, launches = probe.launch, []
+    monkeypatch.setattr(probe, "launch", lambda *a, **kw: launches.append(torch.cuda.is_current_stream_capturing())
+                        or real(*a, **kw))
+    graphs = {}
+    for bs in (2, 4):
+        loc = torch.arange(1, bs + 1, device="cuda")
+
+        def step(loc=loc, bs=bs) -> None:
+            for layer in range(layers):
+                pool.set_kv_buffer(Layer(layer), loc, k[:bs], k[:bs])
+
+        step()
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graphs[bs] = (graph, loc)
+    record_property("probes_captured", f"{launches.count(True)} in {len(graphs)} graphs of {layers} layers")
+    record_property("probes_eager_warm_up", launches.count(False))
+    assert launches.count(True) == len(graphs) and launches.count(False) == 2 * len(graphs) * layers
+    for bs, (graph, loc) in graphs.items():
+        graph.replay()
+        sglang_oobguard.check()
+        loc[-1] = 64 + 5
+        graph.replay()
+        with pytest.raises(KVOutOfBoundsError, match=rf"loc\[{bs - 1}\] = 69"):
+            sglang_oobguard.check()
+        loc[-1] = bs
