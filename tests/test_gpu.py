@@ -320,6 +320,6 @@ def test_each_captured_graph_holds_one_probe_after_sglangs_eager_warm_up(mp, gua
         sglang_oobguard.check()
         loc[-1] = 64 + 5
         graph.replay()
-        with pytest.raises(KVOutOfBoundsError, match=rf"loc\[{bs - 1}\] = 69"):
+        with pytest.raises(KVOutOfBoundsError, match=r"= 69"):  # a new violating call (the record keeps the first's details)
             sglang_oobguard.check()
         loc[-1] = bs
