@@ -15,8 +15,10 @@ For N = 1, 64, 1024, 8192 and 65536 slot ids it measures, side by side in one ru
     x 128) unguarded, guarded by install("strict"), guarded with liveness (every slot
     handed out by sglang's own allocator), and unguarded with upstream's flag
     SGLANG_ENABLE_ASYNC_ASSERT=1: host and eager microseconds and launches per call;
-and a synthetic decode step of 80 `set_kv_buffer` layer writes (64 tokens) captured in
-a CUDA graph: unguarded, ours, upstream's flag, ours with liveness.
+a synthetic decode step of 80 `set_kv_buffer` layer writes (64 tokens) captured in
+a CUDA graph: unguarded, ours (the capture holds one probe for the 80 writes),
+upstream's flag, ours with liveness; and, for large prefill chunks (8192 and 65536
+ids), the probe as one program against the split over several programs.
 Both probes run in strict form: upstream's two `torch._assert_async`, our kernel
 with its `tl.device_assert`. Targets: 1 launch; at most 1/3 of upstream's time in
 graph replay. "ours+live" is the same probe with the liveness shadow: one extra byte
@@ -170,6 +172,28 @@ def probe_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
     return rows
 
 
+def split_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
+    """Large prefill chunks: the probe as one program walking every id, against the
+    split over several programs that fold with atomics (probe.SPLIT_ABOVE), in a graph."""
+    from sglang_oobguard import probe
+
+    make = direct_probe(device)
+    rows = []
+    defaults = probe.SPLIT_ABOVE, probe.SPLIT_CHUNK
+    for n in (1024,) if dry else (8192, 65536):
+        loc = torch.randint(1, SIZE, (n,), device=device)
+        row: dict = {"n": n}
+        for variant, split in (("one_program", (2**62, defaults[1])), ("split", (0, min(defaults[1], n // 4)))):
+            probe.SPLIT_ABOVE, probe.SPLIT_CHUNK = split
+            fn = make(loc, False)
+            replay = clock.graph(lambda fn=fn: [fn() for _ in range(20)])
+            row[variant] = clock.time_us(replay, 2 if dry else 50) / 20
+            row[f"programs_{variant}"] = probe.programs(n)[0]
+        probe.SPLIT_ABOVE, probe.SPLIT_CHUNK = defaults
+        rows.append(row)
+    return rows
+
+
 def set_variant(variant: str, pool, device: str) -> None:
     """Put the process in one write variant: no guard, our guard (with or without
     liveness, every slot then handed out by sglang's allocator), or upstream's flag."""
@@ -242,7 +266,7 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "n/a"
 
 
-def print_tables(probes: list[dict], writes: list[dict], d: dict) -> None:
+def print_tables(probes: list[dict], writes: list[dict], d: dict, splits: list[dict]) -> None:
     print("Probes alone (strict form): launches per call; eager = device us per call (events); host = us per "
           "call to enqueue (perf_counter, no sync); graph = us per call in a replayed CUDA graph\n")
     print("| N | launches ours | launches upstream | launches ours+live | eager ours | eager upstream | host ours "
@@ -272,6 +296,13 @@ def print_tables(probes: list[dict], writes: list[dict], d: dict) -> None:
           f"{d['unguarded']:.1f} us; ours +{(d['ours'] / d['unguarded'] - 1) * 100:.1f}%; upstream "
           f"+{(d['upstream'] / d['unguarded'] - 1) * 100:.1f}%; ours with liveness "
           f"+{(d['liveness'] / d['unguarded'] - 1) * 100:.1f}%")
+    print("\nLarge prefill chunks, us per probe in a graph: one program walking every id, against the ids split "
+          "over several programs folded with atomics\n")
+    print("| N | one program | split | programs | split/one |")
+    print("|---|---|---|---|---|")
+    for r in splits:
+        print(f"| {r['n']} | {r['one_program']:.2f} us | {r['split']:.2f} us | {r['programs_split']} "
+              f"| {ratio(r['split'], r['one_program'])} |")
 
 
 def main() -> int:
@@ -293,13 +324,14 @@ def main() -> int:
     probes = probe_rows(clock, device, args.dry_run)
     writes = write_rows(clock, device, args.dry_run)
     decode = decode_rows(clock, device, args.dry_run)
-    print_tables(probes, writes, decode)
+    splits = split_rows(clock, device, args.dry_run)
+    print_tables(probes, writes, decode, splits)
     if args.json:
         import sglang
 
         args.json.write_text(json.dumps({
             "device": name, "dry_run": args.dry_run, "torch": torch.__version__, "sglang": sglang.__version__,
-            "probes": probes, "writes": writes, "decode": decode,
+            "probes": probes, "writes": writes, "decode": decode, "splits": splits,
         }, indent=1))
     return 0
 

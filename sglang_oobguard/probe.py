@@ -338,8 +338,8 @@ def _key(kernel: object, loc: torch.Tensor, lens: torch.Tensor | None, high: int
 
 
 PROBE_BLOCK = 1024
-SPLIT_ABOVE = 8192  # more ids than this: several programs (a 64k prefill chunk is 8 of them)
-SPLIT_CHUNK = 8192
+SPLIT_ABOVE = 8192  # more ids than this: several programs (a 64k prefill chunk is 16 of them)
+SPLIT_CHUNK = 4096  # ids per program when split (bench/gpu_probe.py measures one program against the split)
 
 
 def programs(n: int) -> tuple[int, int]:
