@@ -9,6 +9,7 @@ write method's, and resolves it against `targets`: a `Found` site to guard, or a
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -104,6 +105,7 @@ def resolve(owner: type, method: str) -> Union[Found, Skipped]:
                  layer_name, override)
 
 
+@functools.lru_cache(maxsize=None)
 def by_design(function: Callable[..., Any]) -> str:
     """'raises ...' or 'does nothing' when the body is one raise or a bare return
     (after a docstring): such a method writes nothing and is left alone."""

@@ -100,6 +100,7 @@ class Guard:
         self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
         self._messages: dict[int, str] = {}  # site -> the device-side assert text
         self._said: set[str] = set()  # log lines said once per guard
+        self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
         # The guarded call in progress, innermost: (pool, method, ids object passed on),
         # or None. A nested call on the same pool and method with that ids object (a
         # super() call) is not probed again; inside any, upstream's duplicate probe is skipped.
@@ -215,9 +216,22 @@ class Guard:
         constructor skips KVCache's, or a mock)."""
         return pool.__dict__.get(STATE_ATTR) or self.attach(pool, device)
 
+    def mark(self, obj: Any, attr: str, value: Any) -> None:
+        """Set one of our attributes on an object of sglang's, remembered for `forget`."""
+        obj.__dict__[attr] = value
+        self._marked.append((weakref.ref(obj), attr))
+
+    def forget(self) -> None:
+        """Take our attributes off sglang's objects again (uninstall)."""
+        for ref, attr in self._marked:
+            obj = ref()
+            if obj is not None:
+                obj.__dict__.pop(attr, None)
+        self._marked.clear()
+
     def attach(self, pool: Any, device: torch.device) -> PoolState:
         state = PoolState(pool, device)
-        setattr(pool, STATE_ATTR, state)
+        self.mark(pool, STATE_ATTR, state)
         self.states.add(state)
         if device.type == "cuda":
             self.warm_up(state, pool.__dict__.get(SITES_ATTR) or self._sites(type(pool)))

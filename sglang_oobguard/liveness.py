@@ -104,7 +104,7 @@ def _backup(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Ca
     result = call()
     if state.live is not None:
         _quietly(guard, "backup_state", lambda: _update(
-            state, lambda live: allocator.__dict__.__setitem__(BACKUP_ATTR, live.flags.clone())))
+            state, lambda live: guard.mark(allocator, BACKUP_ATTR, live.flags.clone())))
     return result
 
 
@@ -280,7 +280,7 @@ def _start(guard: Guard, allocator: Any) -> None:
             _warm_up_frees(guard, state, type(allocator))
     else:
         _update(state, lambda live: live.flags.zero_())
-    allocator.__dict__[LIVE_ATTR] = state
+    guard.mark(allocator, LIVE_ATTR, state)
     allocator.__dict__.pop(BACKUP_ATTR, None)
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Union
 import wrapt
 
 from . import config as config_mod
-from .discover import Found, Skipped, discover, resolve, write_methods
+from .discover import Found, Skipped, discover, pool_classes, resolve, write_methods
 from .guard import Guard, attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 from .liveness import AllocatorMethod, allocator_targets
 from .liveness import make_wrapper as make_allocator_wrapper
@@ -75,7 +75,8 @@ class Instrumentor:
         skipped = self.guard_classes(discover(base))
         self._wrap(base, "__init__", make_constructor_hook(self.guard))
         self._hook_new_classes(base)
-        attach_existing(self.guard, (obj for obj in gc.get_objects() if issubclass(type(obj), base)))
+        classes = set(pool_classes(base))  # exact types: an ABC subclass check per object costs seconds
+        attach_existing(self.guard, (obj for obj in gc.get_objects() if type(obj) in classes))
         if self.guard.config.liveness:
             self.track_allocators()
         for module in _hooked_modules():
@@ -284,6 +285,7 @@ def uninstall() -> None:
     global _active
     if _active is not None:
         _active.undo()
+        _active.guard.forget()
         _active = None
 
 

@@ -91,3 +91,16 @@ def test_a_pool_gets_its_state_when_built_not_on_its_first_write(mp, guard):
         state = pool.__dict__.get(STATE_ATTR)
         assert state is not None and state.pool_name == "MHATokenToKVPool"
         assert state.record.read_now().calls == 0
+
+
+def test_uninstall_takes_the_guards_attributes_off_sglangs_objects(mp, guard):
+    from sglang.srt.mem_cache import allocator
+
+    from helpers import token_allocator
+
+    guard("raise", liveness=True)
+    pool = mha(mp)
+    alloc = token_allocator(allocator, pool)
+    assert any(name.startswith("_oobguard") for name in vars(pool)) and any(name.startswith("_oobguard") for name in vars(alloc))
+    sglang_oobguard.uninstall()
+    assert not [name for obj in (pool, alloc) for name in vars(obj) if name.startswith("_oobguard")]
