@@ -25,6 +25,7 @@ from .guard import Guard, make_upstream_skip, make_wrapper
 from .liveness import AllocatorMethod, allocator_targets
 from .liveness import make_wrapper as make_allocator_wrapper
 from .report import Violation, ensure_visible, logger
+from .reportfile import open_report
 from .targets import BASE_CLASS, MEMORY_POOL, UPSTREAM_PROBE, is_supported, version_of_sglang
 
 _guard: Optional[Guard] = None
@@ -77,13 +78,15 @@ def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], 
     if config.liveness:
         _track_allocators()
     version = version_of_sglang()
-    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s, %d guarded methods, sglang %s, liveness=%s",
-                os.getpid(), config.mode.value, config.backend.value,
-                sum(isinstance(entry, Found) for entry in _installed), version, "on" if config.liveness else "off")
+    guarded = [entry.qualname for entry in _installed if isinstance(entry, Found)]
+    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s, %d guarded methods (of the pool classes "
+                "defined so far), sglang %s, liveness=%s", os.getpid(), config.mode.value, config.backend.value,
+                len(guarded), version, "on" if config.liveness else "off")
     if skipped or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped) or "nothing")
+    _guard.reporter.file = open_report(config, version, guarded, skipped)
     return tuple(_installed)
 
 

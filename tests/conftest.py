@@ -26,7 +26,7 @@ if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
 @pytest.fixture(scope="session")
 def mp():
     """sglang's memory_pool module, with the parallel context that MLA writes assert on
-    where the release has one (0.5.2x)."""
+    where the release has one (0.5.16 and later; runtime_context itself is older)."""
     import importlib.util
 
     from sglang.srt.mem_cache import memory_pool
@@ -34,7 +34,9 @@ def mp():
     if importlib.util.find_spec("sglang.srt.runtime_context"):
         from sglang.srt.runtime_context import get_parallel
 
-        get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
+        context = get_parallel()
+        if hasattr(context, "override_permanently"):
+            context.override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
     return memory_pool
 
 

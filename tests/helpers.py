@@ -6,14 +6,18 @@ import inspect
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
 GUARD_VARS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE",
               "SGLANG_OOBGUARD_BACKEND", "SGLANG_OOBGUARD_POLL_EVERY", "SGLANG_OOBGUARD_WARN_INTERVAL_S",
-              "SGLANG_OOBGUARD_LIVENESS")
+              "SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_REPORT_DIR")
 ROOT = Path(__file__).resolve().parent.parent
+SGLANG = version("sglang")
+# The sites' pool classes that not every release of the matrix has: tag in the label -> class.
+FP4_POOLS = {"MHA-FP4": "MHATokenToKVPoolFP4", "MLA-FP4": "MLATokenToKVPoolFP4"}
 
 
 def needs(mp, name: str, since: str) -> None:
@@ -21,7 +25,14 @@ def needs(mp, name: str, since: str) -> None:
     import pytest
 
     if not hasattr(mp, name):
-        pytest.skip(f"{name} arrived in sglang {since}")
+        pytest.skip(f"{name} does not exist in sglang {SGLANG} (it arrived in {since})")
+
+
+def needs_site(mp, label: str) -> None:
+    """Skip a site whose pool class this release does not have (the FP4 pools arrived in 0.5.8)."""
+    for tag, name in FP4_POOLS.items():
+        if f"({tag})" in label:
+            needs(mp, name, "0.5.8")
 
 
 def as_write_loc(mp, loc: torch.Tensor):
@@ -29,14 +40,19 @@ def as_write_loc(mp, loc: torch.Tensor):
     return mp.KVWriteLoc(loc) if hasattr(mp, "KVWriteLoc") else loc
 
 
-def sglang_can_write(make, method: str, payload) -> None:
-    """Skip where sglang's own write of this pool fails on the CPU for this release."""
+def sglang_can_write(mp, label: str) -> None:
+    """Skip where this release lacks the site's pool class, or where sglang's own write
+    of that pool fails on the CPU in this release (e.g. the FP4 writes of 0.5.12)."""
     import pytest
 
+    needs_site(mp, label)
+    make, method, payload = site_cases(mp)[label]
+    pool = make()
     try:
-        getattr(make(), method)(Layer(0), torch.tensor([1]), *payload(1))
+        getattr(pool, method)(Layer(0), torch.tensor([1]), *payload(1))
     except Exception as exc:  # sglang's, not ours: the guard is not installed here
-        pytest.skip(f"sglang's own {method} fails on the CPU in this release: {type(exc).__name__}: {exc}")
+        pytest.skip(f"sglang {SGLANG}'s own {type(pool).__name__}.{method} fails on the CPU: "
+                    f"{type(exc).__name__}: {exc}")
 
 
 class Layer:
