@@ -130,22 +130,26 @@ def _process_line(process: Process) -> str:
     a = process.activation
     where = a.get("role") or a.get("argv") or "?"
     ranks = " ".join(f"{k}={v}" for k, v in sorted((a.get("ranks") or {}).items()))
-    said = f"{process.reports} violation reports" if process.reports else "no violation"
+    said = plural(process.reports, "violation report") if process.reports else "no violation"
     return (f"  pid {a.get('pid')} on {a.get('host')} ({where}{', ' + ranks if ranks else ''}): "
             f"mode {a.get('mode')}, {a.get('guarded')} guarded methods, sglang {a.get('sglang')}: {said}")
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
 def render(summary: Summary) -> str:
     reported = [p for p in summary.processes if p.reports]
-    lines = [f"sglang_oobguard report {summary.folder}: {len(summary.processes)} processes guarded, "
-             f"{len(reported)} reported violations"]
+    lines = [f"sglang_oobguard report {summary.folder}: {plural(len(summary.processes), 'process')} guarded, "
+             f"{len(reported)} with violations"]
     if summary.groups:
         lines.append("violations by site, pool and layer (reports, processes; first occurrence):")
         for group in summary.groups:
             first = group.first
             layer = group.layer if group.layer >= 0 else "?"
-            lines.append(f"  {group.label} | {group.pool} | layer {layer}: {group.reports} reports in "
-                         f"{len(group.processes)} processes; first {_when(first)}, pid {first.get('pid')} on "
+            lines.append(f"  {group.label} | {group.pool} | layer {layer}: {plural(group.reports, 'report')} in "
+                         f"{plural(len(group.processes), 'process')}; first {_when(first)}, pid {first.get('pid')} on "
                          f"{first.get('host')}: {describe(first)}")
     lines.append("processes:" + ("" if summary.processes else " none"))
     lines += [_process_line(process) for process in summary.processes]

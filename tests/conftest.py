@@ -15,12 +15,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import GUARD_VARS  # noqa: E402
+from helpers import GUARD_VARS, shim_old_sglang  # noqa: E402
 
-if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
-    # sglang 0.4.x (built for torch 2.7) asks torch._C._cpu for this check; torch 2.14.1,
-    # the torch of every cell here, moved it to torch.cpu. Same function, old name.
-    torch._C._cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported
+shim_old_sglang()
+pytest_plugins = ["pytester"]  # the pytest plugin's own tests (tests/test_pytest_plugin.py)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,13 @@ SGLANG = version("sglang")
 FP4_POOLS = {"MHA-FP4": "MHATokenToKVPoolFP4", "MLA-FP4": "MLATokenToKVPoolFP4"}
 
 
+def shim_old_sglang() -> None:
+    """sglang 0.4.x (built for torch 2.7) asks torch._C._cpu for this check; torch 2.14.1,
+    the torch of every cell here, moved it to torch.cpu. Same function, old name."""
+    if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
+        torch._C._cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported
+
+
 def needs(mp, name: str, since: str) -> None:
     """Skip a test of a feature this sglang release does not have yet."""
     import pytest
@@ -119,3 +126,28 @@ def run_python(code: str, env: dict[str, str | None], timeout: float = 240) -> s
     full = {k: v for k, v in full.items() if v is not None}
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
+
+
+# Python source for a fresh interpreter: activate the guard the way sglang's own processes
+# do on this release (its plugin loader, 0.5.11+; before, the .pth hook at memory_pool's
+# first import), then write slot ids {ids} into a real MHATokenToKVPool at layer 1
+# (size 64: ids must lie in [0, 65)). Format with ids=[...].
+GUARDED_WRITE = """
+import importlib.util, site, sys, torch
+sys.path.insert(0, %r)
+from helpers import shim_old_sglang
+shim_old_sglang()
+if importlib.util.find_spec("sglang.srt.plugins"):
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+else:
+    site.addsitedir(%r)  # the folder that holds sglang_oobguard.pth
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+class Layer:
+    layer_id = 1
+
+pool = MHATokenToKVPool(64, 1, torch.float32, 2, 4, 2, "cpu", False)
+k = torch.ones(len({ids}), 2, 4)
+pool.set_kv_buffer(Layer, torch.tensor({ids}), k, k)
+""" % (str(ROOT / "tests"), str(ROOT))
