@@ -25,8 +25,8 @@ MODES = ("strict", "raise", "warn")
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("oobguard", "sglang-oobguard: bounds-check every sglang KV-cache write")
     group.addoption("--oobguard", nargs="?", const="strict", default=None, choices=MODES, metavar="MODE",
-                    help="guard this process and every process the tests start, in MODE (strict when "
-                         "not given: strict, raise or warn); fail the run on any violation, or when no "
+                    help="guard sglang in this process and in every process the tests start, in MODE: "
+                         "strict (the default), raise or warn; fail the run on any violation, or when no "
                          "process was guarded")
     group.addoption("--oobguard-report-dir", default=None, metavar="DIR",
                     help="the folder for the guarded processes' reports (default: a new temporary folder); "
@@ -45,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _report_folder(given: Optional[str]) -> str:
     from .reportfile import PREFIX, SUFFIX
+    from .summary import plural
 
     if given is None:
         return tempfile.mkdtemp(prefix="oobguard-report-")
@@ -55,8 +56,9 @@ def _report_folder(given: Optional[str]) -> str:
         raise pytest.UsageError(f"--oobguard-report-dir={given}: cannot make the folder ({exc})") from None
     earlier = [name for name in os.listdir(folder) if name.startswith(PREFIX) and name.endswith(SUFFIX)]
     if earlier:
-        raise pytest.UsageError(f"--oobguard-report-dir={given} holds {len(earlier)} reports of an earlier run "
-                                f"(e.g. {earlier[0]}): remove them, or name an empty folder")
+        raise pytest.UsageError(f"--oobguard-report-dir={given} holds the reports of an earlier run "
+                                f"({plural(len(earlier), 'file')}, e.g. {earlier[0]}): remove them, or name an "
+                                "empty folder")
     return folder
 
 

@@ -126,9 +126,16 @@ def _when(record: dict[str, Any]) -> str:
     return datetime.fromtimestamp(stamp, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _short(argv: str, width: int = 60) -> str:
+    """A command line cut to `width`, its first word to its file name."""
+    head, _, rest = argv.partition(" ")
+    text = " ".join(filter(None, (os.path.basename(head), rest)))
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _process_line(process: Process) -> str:
     a = process.activation
-    where = a.get("role") or a.get("argv") or "?"
+    where = a.get("role") or _short(str(a.get("argv") or "?"))
     ranks = " ".join(f"{k}={v}" for k, v in sorted((a.get("ranks") or {}).items()))
     said = plural(process.reports, "violation report") if process.reports else "no violation"
     return (f"  pid {a.get('pid')} on {a.get('host')} ({where}{', ' + ranks if ranks else ''}): "
