@@ -128,15 +128,16 @@ def run_python(code: str, env: dict[str, str | None], timeout: float = 240) -> s
                           timeout=timeout, cwd=ROOT)
 
 
+# Python source that a fresh interpreter (or a pytest run of its own) runs first: these
+# helpers importable, and sglang 0.4.x's torch shim applied.
+SHIM = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from helpers import shim_old_sglang; shim_old_sglang()\n"
+
 # Python source for a fresh interpreter: activate the guard the way sglang's own processes
 # do on this release (its plugin loader, 0.5.11+; before, the .pth hook at memory_pool's
 # first import), then write slot ids {ids} into a real MHATokenToKVPool at layer 1
 # (size 64: ids must lie in [0, 65)). Format with ids=[...].
-GUARDED_WRITE = """
-import importlib.util, site, sys, torch
-sys.path.insert(0, %r)
-from helpers import shim_old_sglang
-shim_old_sglang()
+GUARDED_WRITE = SHIM + """
+import importlib.util, site, torch
 if importlib.util.find_spec("sglang.srt.plugins"):
     from sglang.srt.plugins import load_plugins
     load_plugins()
@@ -150,4 +151,4 @@ class Layer:
 pool = MHATokenToKVPool(64, 1, torch.float32, 2, 4, 2, "cpu", False)
 k = torch.ones(len({ids}), 2, 4)
 pool.set_kv_buffer(Layer, torch.tensor({ids}), k, k)
-""" % (str(ROOT / "tests"), str(ROOT))
+""" % str(ROOT)

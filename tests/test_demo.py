@@ -3,9 +3,9 @@ and prints nothing but its story: no import-time warnings, no log lines."""
 
 from __future__ import annotations
 
-from helpers import run_python
+from helpers import SHIM, run_python
 
-DEMO = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['demo']))"
+DEMO = SHIM + "from sglang_oobguard.__main__ import main; sys.exit(main(['demo']))"
 
 
 def test_demo_tells_its_story_and_nothing_else():

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, SGLANG
+from helpers import SGLANG, SHIM
 
 # Inner test files: a server-like subprocess writes a real sglang pool; WRITE_HERE
 # writes one in the pytest process itself.
-HEADER = f"""
-import os, subprocess, sys
-sys.path.insert(0, {str(ROOT / "tests")!r})
+HEADER = SHIM + """
+import subprocess
 from helpers import GUARDED_WRITE
 
 

@@ -26,8 +26,11 @@ def records(path) -> list[dict]:
 
 
 def guarded(folder, mode: str, ids: list[int], then: str = "") -> subprocess.CompletedProcess:
+    """A fresh interpreter guarded in `mode` writes `ids` into a real pool, then runs
+    `then`; warn mode's running-total line is held back (one warning line per run)."""
     return run_python(GUARDED_WRITE.format(ids=ids) + then,
-                      {"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_REPORT_DIR": str(folder)})
+                      {"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_REPORT_DIR": str(folder),
+                       "SGLANG_OOBGUARD_WARN_INTERVAL_S": "3600"})
 
 
 FORK = """
