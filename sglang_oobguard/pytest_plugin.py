@@ -15,9 +15,12 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
+
+if TYPE_CHECKING:
+    from .summary import Summary
 
 MODES = ("strict", "raise", "warn")
 
@@ -70,6 +73,7 @@ class GuardedSession:
         from . import config as config_mod
 
         self.folder = folder
+        self.summary: Optional[Summary] = None
         wanted = {config_mod.MODE_VAR: mode, config_mod.REPORT_DIR_VAR: folder}
         self.saved = {name: os.environ.get(name) for name in wanted}
         os.environ.update(wanted)
@@ -81,7 +85,6 @@ class GuardedSession:
         from .autoload import arm
 
         arm()  # this process: the guard installs when sglang's memory_pool is imported (now, if it is)
-        self.summary: Any = None
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         from . import summary

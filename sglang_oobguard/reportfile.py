@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from typing import Any, Optional
 
 from .report import Violation, logger
@@ -42,7 +43,9 @@ class ReportFile:
         self.folder = folder
         self.activation = activation
         self._fd: Optional[int] = None
+        self._close: Optional[weakref.finalize] = None  # closes _fd when this object goes (uninstall)
         self._pid = -1
+        self._host = ""
         self._broken = False
 
     def start(self) -> None:
@@ -68,15 +71,17 @@ class ReportFile:
                            "a report file", self.folder, type(exc).__name__, exc)
 
     def _open(self) -> None:
+        if self._close is not None:
+            self._close()  # a forked child: its copy of the parent's descriptor
         os.makedirs(self.folder, exist_ok=True)
-        host, pid = socket.gethostname(), os.getpid()
-        self._fd = os.open(os.path.join(self.folder, file_name(host, pid)),
+        self._host, self._pid = socket.gethostname(), os.getpid()
+        self._fd = os.open(os.path.join(self.folder, file_name(self._host, self._pid)),
                            os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._pid = pid
+        self._close = weakref.finalize(self, os.close, self._fd)
         self._write({"kind": ACTIVATION, "format": FORMAT, **self.activation})
 
     def _write(self, record: dict[str, Any]) -> None:
-        line = json.dumps({**record, "time": time.time(), "pid": self._pid, "host": socket.gethostname()},
+        line = json.dumps({**record, "time": time.time(), "pid": self._pid, "host": self._host},
                           default=str, separators=(",", ":")) + "\n"
         assert self._fd is not None
         os.write(self._fd, line.encode())

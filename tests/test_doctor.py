@@ -28,15 +28,17 @@ print(json.dumps(rows))
 """
 
 
-def test_doctor_lists_version_activation_mode_and_every_write_method():
+def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
     import json
 
-    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn"})
+    folder = tmp_path / "reports" / "new"
+    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_REPORT_DIR": str(folder)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.startswith(f"sglang {version('sglang')} (supported;")
     assert "entry point sglang.srt.plugins:oobguard registered" in out and ".pth import hook" in out
     assert "mode: warn (active); backend: auto; liveness: off (set SGLANG_OOBGUARD_LIVENESS=1" in out
+    assert f"report files: {folder} (writable; summarise with: python -m sglang_oobguard report {folder})" in out
     assert "  TokenToKVPoolAllocator.alloc " in out and "  PagedTokenToKVPoolAllocator.alloc_extend " in out
     assert "liveness not tracked (bound check only): " in out and "SWATokenToKVPoolAllocator" in out
     expected = run_python(EXPECTED, {})
@@ -76,11 +78,13 @@ def section_rows(out: str) -> dict[str, list[str]]:
     return sections
 
 
-def test_doctor_prints_nothing_but_its_report():
+def test_doctor_prints_nothing_but_its_report(tmp_path):
     """sglang's import-time warnings ("Only CUDA, HIP and XPU support AWQ currently")
     and log lines stay out of it."""
-    proc = run_python(DOCTOR, {})
+    (tmp_path / "a-file").write_text("")
+    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_REPORT_DIR": str(tmp_path / "a-file" / "reports")})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reports (NOT writable: the guard would warn once and go on;" in proc.stdout
     assert proc.stderr == ""
     assert "AWQ" not in proc.stdout and "Warning" not in proc.stdout
 
