@@ -245,7 +245,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
 def _releases_now(allocator: Any) -> bool:
     """Whether a free gives its ids back now, or a free group holds them until
     free_group_end (which frees them again, then for real)."""
-    flag = allocator.__dict__.get("is_not_in_free_group")  # before 0.5.2x
+    flag = allocator.__dict__.get("is_not_in_free_group")  # before 0.5.19
     return bool(flag) if flag is not None else allocator.__dict__.get("free_group") is None
 
 

@@ -28,6 +28,7 @@ from .guard import Guard, attach_existing, make_constructor_hook, make_upstream_
 from .liveness import AllocatorMethod, allocator_targets
 from .liveness import make_wrapper as make_allocator_wrapper
 from .report import Violation, ensure_visible, logger
+from .reportfile import open_report
 from .step import make_forward_hook
 from .targets import (BASE_CLASS, FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, UPSTREAM_PROBE, is_supported,
                       module_file, version_of_sglang)
@@ -244,16 +245,16 @@ def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], 
     _active = Instrumentor(config)
     skipped = _active.instrument(base)
     version = version_of_sglang()
-    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods, sglang %s, "
-                "liveness=%s", os.getpid(), config.mode.value, config.backend.value,
-                config_mod.BACKEND_PATHS[config.backend],
-                sum(isinstance(entry, Found) for entry in _active.entries), version,
-                "on" if config.liveness else "off")
+    guarded = [entry.qualname for entry in _active.entries if isinstance(entry, Found)]
+    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
+                "defined so far), sglang %s, liveness=%s", os.getpid(), config.mode.value, config.backend.value,
+                config_mod.BACKEND_PATHS[config.backend], len(guarded), version, "on" if config.liveness else "off")
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped + absent) or "nothing")
+    _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent)
     return _active.entries
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from .record import Record
+    from .reportfile import ReportFile
 
 logger = logging.getLogger("sglang_oobguard")  # messages name us themselves: sglang's format omits the logger
 
@@ -166,9 +167,12 @@ class Reporter:
         self.latest: dict[int, Violation] = {}  # key: the pool's serial number
         self._last_log: Optional[float] = None
         self._suppressed = 0
+        self.file: Optional["ReportFile"] = None  # SGLANG_OOBGUARD_REPORT_DIR's file, when set
 
     def publish(self, key: int, violation: Violation, fatal: bool) -> None:
         self.latest[key] = violation
+        if self.file is not None:
+            self.file.violation(key, violation)
         if fatal:
             raise KVOutOfBoundsError(violation)
         self._warn(violation)

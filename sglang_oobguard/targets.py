@@ -188,7 +188,7 @@ def label_for(class_name: str, method: str, ids: Ids) -> str:
 
 # -- liveness (SGLANG_OOBGUARD_LIVENESS): the allocators that hand slots out --------
 
-ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"  # a module before 0.5.2x, a package after
+ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"  # a module in older releases, a package by 0.5.16
 ALLOCATOR_BASE = "BaseTokenToKVPoolAllocator"
 POOL_OF_ALLOCATOR = "_kvcache"  # sglang's own wiring: the allocator holds its KV pool
 
@@ -215,10 +215,10 @@ ALLOCATOR_METHODS: dict[str, Role] = {
     "alloc_extend": Role.ALLOC,
     "alloc_decode": Role.ALLOC,
     "free": Role.FREE,  # free_full, free_segment(s) of the token allocator call it
-    "free_page_ids": Role.FREE_PAGES,  # 0.5.2x; the paged free_segment calls it
+    "free_page_ids": Role.FREE_PAGES,  # 0.5.20+; the paged free_segment calls it
     "free_group_end": Role.GROUP_END,
     "clear": Role.CLEAR,  # resize() calls it too
-    "backup_state": Role.BACKUP,  # before 0.5.2x
+    "backup_state": Role.BACKUP,  # before 0.5.17
     "restore_state": Role.RESTORE,
 }
 

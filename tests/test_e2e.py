@@ -14,6 +14,7 @@ import pytest
 
 from e2e.harness import run_engine
 from e2e.tiny_model import build_tiny_llama
+from sglang_oobguard import summary
 
 pytestmark = pytest.mark.e2e
 
@@ -78,9 +79,10 @@ def test_strict_and_raise_fail_the_engine_with_the_full_report(model, mode, valu
     assert not run.leftovers
 
 
-def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model, clean):
+def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model, clean, tmp_path):
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "3600",
-                             "OOBGUARD_FAULT": "step=3-6,token=1,value=high+3"})
+                             "OOBGUARD_FAULT": "step=3-6,token=1,value=high+3",
+                             "SGLANG_OOBGUARD_REPORT_DIR": str(tmp_path)})
     assert len(injected(run)) == 4, run.log[-3000:]
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
     outputs = run.result["outputs"]
@@ -91,6 +93,16 @@ def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model
     assert len(warnings) == 1, warnings  # four faulted steps, one line: rate-limited
     assert f"loc[1] = {POOL_HIGH + 3}" in warnings[0] and "layer 0" in warnings[0]
     assert not run.leftovers
+    # the report folder: every process of the engine filed its activation, the scheduler each fault
+    report = summary.read(str(tmp_path))
+    roles = {p.activation["role"]: p for p in report.processes}
+    assert {None, "run_scheduler_process", "run_detokenizer_process"} <= roles.keys(), roles.keys()
+    scheduler = roles["run_scheduler_process"]
+    assert scheduler.activation["ranks"] == {"tp_rank": 0, "pp_rank": 0} and scheduler.reports == 4
+    assert [p for p in report.processes if p.reports] == [scheduler]
+    (group,) = report.groups
+    assert (group.label, group.pool, group.layer, group.reports) == ("set_kv_buffer (MHA)", "MHATokenToKVPool", 0, 4)
+    assert group.first["violation"]["value"] == POOL_HIGH + 3 and report.exit_code == summary.VIOLATIONS
 
 
 def test_http_server_generates_with_the_guard_on_and_shuts_down_cleanly(model, tmp_path):

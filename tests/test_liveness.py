@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, as_write_loc, mha, needs, paged_allocator, site_cases, token_allocator
+from helpers import SGLANG, Layer, as_write_loc, mha, needs, needs_site, paged_allocator, site_cases, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 from sglang_oobguard.targets import version_of_sglang
 
@@ -142,8 +142,7 @@ def test_paged_allocator_tracks_whole_pages(mp, allocators, guard, backend, page
 
 
 def test_paged_free_page_ids_double_free(mp, allocators, guard):
-    if "free_page_ids" not in vars(allocators.PagedTokenToKVPoolAllocator):
-        pytest.skip("free_page_ids arrived in sglang 0.5.2x")
+    needs(allocators.PagedTokenToKVPoolAllocator, "free_page_ids", "0.5.20")
     guard("raise", liveness=True)
     pool = mha(mp, 256, 16)
     alloc = paged_allocator(allocators, pool)
@@ -225,7 +224,7 @@ def test_int32_ids_as_the_radix_cache_frees_them(tracked, backend):
 
 def test_restore_state_gives_back_what_was_handed_out_since_backup(tracked, allocators):
     if not hasattr(allocators.BaseTokenToKVPoolAllocator, "backup_state"):
-        pytest.skip("backup_state / restore_state left sglang in 0.5.2x")
+        pytest.skip(f"backup_state / restore_state do not exist in sglang {SGLANG} (removed in 0.5.17)")
     pool, alloc = tracked("raise")
     kept = alloc.alloc(2)
     saved = alloc.backup_state()
@@ -276,8 +275,7 @@ def test_every_upstream_site_checks_liveness(mp, allocators, guard, label):
     """MHA, MLA (set_mla_kv_buffer's DCP bound is the token-slot bound at span 1) and FP4
     pools alike: a write to a slot the allocator took back is caught before sglang's
     own write code runs."""
-    if "FP4" in label:
-        needs(mp, "MHATokenToKVPoolFP4", "0.5.8")
+    needs_site(mp, label)
     make, method, payload = site_cases(mp)[label]
     guard("raise", liveness=True)
     pool = make()
