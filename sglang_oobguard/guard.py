@@ -418,9 +418,11 @@ def make_constructor_hook(guard: Guard) -> Callable[..., Any]:
 
 
 def attach_existing(guard: Guard, pools: Iterable[Any]) -> None:
-    """Give pools built before install() their state now."""
+    """Give pools built before install() their state now (a pool whose constructor
+    failed half way, without size or device, is no pool: left alone)."""
     for pool in pools:
-        if STATE_ATTR not in pool.__dict__:
+        built = all(name in pool.__dict__ for name in ("size", "page_size", "device"))
+        if built and STATE_ATTR not in pool.__dict__:
             try:
                 guard.attach(pool, torch.device(pool.device))
             except Exception as exc:

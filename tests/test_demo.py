@@ -16,6 +16,6 @@ def test_demo_tells_its_story_and_nothing_else():
     assert "Demo finished as described." in out
     assert "KVOutOfBoundsError: set_kv_buffer (MHA) layer 1: 1 of 3 slot ids outside [0, 65): loc[2] = -1" in out
     assert "loc[2] = 3 is not allocated (freed)" in out and "free_index[0] = 3 is not allocated (double free)" in out
-    assert "   logged: sglang_oobguard: bad KV slot ids, writes contained" in out  # the warn line, in its step
+    assert "   logged: sglang_oobguard: bad KV slot ids, write contained" in out  # the warn line, in its step
     story = [line for line in out.splitlines() if line and not line.startswith("   ")]
     assert all(line[0].isdigit() or line.startswith(("Real sglang", "Demo ")) for line in story), story
