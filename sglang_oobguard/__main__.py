@@ -1,4 +1,4 @@
-"""Command line: `python -m sglang_oobguard {demo,doctor}`."""
+"""Command line: `python -m sglang_oobguard {demo,doctor,report}`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd = sub.add_parser("demo", help="a stale slot id in a real sglang KV pool, unguarded then guarded")
     demo_cmd.add_argument("--engine", action="store_true", help="the same story in the real sglang Engine (~2 min)")
     sub.add_parser("doctor", help="what the guard covers on the installed sglang")
+    report_cmd = sub.add_parser("report", help="summarise a report folder (SGLANG_OOBGUARD_REPORT_DIR); "
+                                "exit 1 on any violation, 2 when no process was guarded")
+    report_cmd.add_argument("folder", help="the folder the guarded processes wrote to")
+    report_cmd.add_argument("--json", action="store_true", help="the same summary as JSON")
     args = parser.parse_args(argv)
+    if args.command == "report":
+        from . import summary
+
+        return summary.run(args.folder, args.json)
     if args.command == "demo":
         from . import demo
 

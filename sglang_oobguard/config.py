@@ -40,6 +40,15 @@ class Backend(str, enum.Enum):
     TRITON = "triton"  # the fused kernel, reported deferred (CPU needs TRITON_INTERPRET=1)
 
 
+# What each backend runs where: said in the activation line and by doctor, because the
+# host scan costs a host sync per write on any accelerator it serves.
+BACKEND_PATHS = {
+    Backend.AUTO: "the kernel on CUDA tensors (no sync); the host scan on CPU tensors, and on "
+                  "NPU, XPU and MUSA tensors at one host sync per write",
+    Backend.TORCH: "the host scan on every tensor: one host sync per write on any accelerator",
+    Backend.TRITON: "the kernel on every tensor",
+}
+
 ENABLE_VAR = "SGLANG_ENABLE_ASYNC_ASSERT"
 INVARIANT_VAR = "SGLANG_INVARIANT_CHECK"
 MODE_VAR = "SGLANG_OOBGUARD_MODE"
@@ -47,6 +56,7 @@ BACKEND_VAR = "SGLANG_OOBGUARD_BACKEND"
 POLL_VAR = "SGLANG_OOBGUARD_POLL_EVERY"
 WARN_INTERVAL_VAR = "SGLANG_OOBGUARD_WARN_INTERVAL_S"
 LIVENESS_VAR = "SGLANG_OOBGUARD_LIVENESS"
+REPORT_DIR_VAR = "SGLANG_OOBGUARD_REPORT_DIR"
 
 # sglang's EnvBool rules (sglang/srt/environ.py), any case.
 _TRUE = ("true", "1", "yes", "y")
@@ -61,6 +71,7 @@ class Config:
     poll_every: int = 16  # deferred path: guarded calls between two record read-backs
     warn_interval_s: float = 10.0  # warn mode: seconds between two running-total lines
     liveness: bool = False  # also check that written and freed slots are allocated (README, "Liveness")
+    report_dir: Optional[str] = None  # each process appends its JSON-lines report to a file here (`reportfile`)
 
     @property
     def active(self) -> bool:
@@ -99,6 +110,18 @@ def _number(env: Mapping[str, str], name: str, kind: type, default, minimum):
     return value
 
 
+def _folder(env: Mapping[str, str], name: str) -> Optional[str]:
+    """A folder path, made absolute so that a process that changes its directory
+    writes to the same place. Whether it can be written is learnt at the first
+    write (a warning, never an error: see `reportfile`)."""
+    raw = _get(env, name)
+    if raw is None:
+        return None
+    if raw != raw.strip():
+        raise ConfigError(name, raw, "a folder path without leading or trailing spaces")
+    return os.path.abspath(os.path.expanduser(raw))
+
+
 def parse_mode(value: Optional[str]) -> Optional[Mode]:
     """`install(mode=...)`'s argument: None, or one of the Mode values."""
     return None if value is None else _choice({"mode": str(value)}, "mode", Mode)
@@ -130,6 +153,7 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
     backend = _choice(env, BACKEND_VAR, Backend) or Backend.AUTO
     poll_every = _number(env, POLL_VAR, int, Config.poll_every, 1)
     warn_interval = _number(env, WARN_INTERVAL_VAR, float, Config.warn_interval_s, 0.0)
+    report_dir = _folder(env, REPORT_DIR_VAR)
 
     if explicit is not None:
         mode = explicit  # includes OFF, which wins over everything
@@ -143,4 +167,4 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
         # asked for the deeper check with the guard itself off: never run unguarded quietly
         raise ConfigError(LIVENESS_VAR, _get(env, LIVENESS_VAR) or "", "0, or set it with the guard on "
                           f"({ENABLE_VAR}=1 or {MODE_VAR}=strict|raise|warn)")
-    return Config(mode, backend, poll_every, warn_interval, liveness and mode is not Mode.OFF)
+    return Config(mode, backend, poll_every, warn_interval, liveness and mode is not Mode.OFF, report_dir)

@@ -6,6 +6,7 @@ written after sglang's own allocator took it back (the liveness guard).
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ import torch
 
 from . import patch
 from .config import LIVENESS_VAR
-from .report import KVOutOfBoundsError
+from .discover import Found
+from .quiet import Captured, quiet
+from .report import KVOutOfBoundsError, logger
 
 SIZE, PAGE = 64, 1
 HIGH = SIZE + PAGE
@@ -51,7 +54,14 @@ def _rows_written(pool) -> list[int]:
 
 
 def run() -> int:
-    """Prints the story; returns 0 when every step behaved as described."""
+    """Prints the story, and nothing else: sglang's import-time warnings and the
+    guard's own log lines are captured (the warn-mode line is shown in its step).
+    Returns 0 when every step behaved as described."""
+    with quiet() as said:
+        return _story(said)
+
+
+def _story(said: Captured) -> int:
     ok = True
     print(f"Real sglang MHATokenToKVPool on {torch.device('cpu')}: size={SIZE}, page_size={PAGE}, "
           f"rows 0..{HIGH - 1} (row 0 is the padding slot).\n")
@@ -72,9 +82,10 @@ def run() -> int:
         print(f"   torch: {type(exc).__name__}: {str(exc).splitlines()[0]}")
         print("   (on a GPU: an illegal memory access, reported far from its cause, or silence)")
 
-    patch.install("raise")
+    guarded = sum(isinstance(entry, Found) for entry in patch.install("raise"))
     try:
-        print("\n3. Guarded (SGLANG_OOBGUARD_MODE=raise), the same -1 batch:")
+        print(f"\n3. Guarded (SGLANG_OOBGUARD_MODE=raise: {guarded} guarded methods, those of the pool classes "
+              "sglang has defined so far), the same -1 batch:")
         pool = _pool()
         try:
             _write(pool, [5, 6, -1])
@@ -93,6 +104,9 @@ def run() -> int:
         rows = _rows_written(pool)
         print(f"   rows written: {rows}  <- bad ids went to padding slot 0; row {HIGH - 1} intact")
         ok &= rows == [0, 5, 6]
+        logged = said.messages(logger.name, logging.WARNING)
+        print(f"   logged: {logged[-1] if logged else 'nothing'}")
+        ok &= bool(logged)
         print(f"   sglang_oobguard.violations(): {[str(v) for v in patch.violations()]}")
         ok &= _liveness_story()
     finally:

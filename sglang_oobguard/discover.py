@@ -13,6 +13,7 @@ import importlib
 import inspect
 import pkgutil
 import textwrap
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -104,9 +105,26 @@ def resolve(owner: type, method: str) -> Union[Found, Skipped]:
                  layer_name, override)
 
 
+_DESIGN: "weakref.WeakKeyDictionary[Callable[..., Any], str]" = weakref.WeakKeyDictionary()
+
+
 def by_design(function: Callable[..., Any]) -> str:
     """'raises ...' or 'does nothing' when the body is one raise or a bare return
-    (after a docstring): such a method writes nothing and is left alone."""
+    (after a docstring): such a method writes nothing and is left alone. Cached per
+    function, weakly: a method's function holds its class, which must stay free to go."""
+    try:
+        return _DESIGN[function]
+    except (KeyError, TypeError):
+        pass
+    verdict = _read_design(function)
+    try:
+        _DESIGN[function] = verdict
+    except TypeError:  # not weakly referable: not cached
+        pass
+    return verdict
+
+
+def _read_design(function: Callable[..., Any]) -> str:
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):

@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import site
+import sys
 from importlib.metadata import entry_points
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 from . import config
-from .discover import Found, Skipped, import_pool_modules
-from .liveness import allocator_targets
-from .patch import coverage
+from .discover import Found, Skipped
+from .quiet import quiet
 from .report import site_label
-from .targets import SUPPORTED, TESTED, is_supported, version_of_sglang
+from .targets import FUSED_WRITERS, STEP_HOOK, SUPPORTED, TESTED, is_supported, module_file, version_of_sglang
 
 
 def run() -> int:
-    """Prints the report; exits non-zero on an invalid configuration."""
+    """Prints the report; exits non-zero on an invalid configuration, or where the
+    guard's dependencies are missing (one line naming what is missing)."""
     try:
         settings = config.from_env()
     except config.ConfigError as exc:
         print(exc)
+        return 2
+    try:
+        with quiet():  # sglang's import-time warnings and logs would land in the middle of the report
+            unimported, entries, allocators = _inspect()
+            outside = _outside_pools()
+    except ModuleNotFoundError as exc:
+        print(f"sglang_oobguard doctor: {exc.name} is not installed for {sys.executable}; the guard runs inside "
+              "sglang and needs its torch: run doctor with the python that runs sglang")
         return 2
     version = version_of_sglang()
     low, high = (".".join(map(str, v)) for v in SUPPORTED)
@@ -36,26 +48,28 @@ def run() -> int:
     if not loader and not pth:
         print("  -> nothing activates the guard in sglang's processes: pip install the package (not -e)")
     state = "active" if settings.active else f"inactive; set {config.ENABLE_VAR}=1 to enable"
-    print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value}; "
+    print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value} "
+          f"({config.BACKEND_PATHS[settings.backend]}); "
           f"liveness: {'on' if settings.liveness else f'off (set {config.LIVENESS_VAR}=1 to check it)'}")
-    unimported = import_pool_modules()
-    entries = coverage()
+    _print_report_dir(settings)
     if isinstance(entries, str):
         print(f"guarded: nothing ({entries})")
         return 0
     found = [e for e in entries if isinstance(e, Found)]
-    print(f"guarded ({len(found)} methods):")
+    print(f"guarded ({len(found)} methods, of the pool classes of every pool module that imports here; one row "
+          "per method, with the ids it checks):")
     for entry in found:
-        for ids, name, number in zip(entry.rule.ids, entry.id_names, entry.sites):
-            print(f"  {entry.qualname:48} {site_label(number):50} {name} "
-                  f"in [0, {ids.bound.rule})" + (", valid prefix of each row" if entry.rule.lens else ""))
+        checks = "; ".join(f"{site_label(number)}: {name} in [0, {ids.bound.rule})"
+                           for ids, name, number in zip(entry.rule.ids, entry.id_names, entry.sites))
+        print(f"  {entry.qualname:48} {checks}" + (", valid prefix of each row" if entry.rule.lens else ""))
     skipped = [e for e in entries if isinstance(e, Skipped)]
-    for title, design in (("not guarded", False), ("left alone (writes nothing)", True)):
+    for title, design in (("not guarded", False), ("left alone, writes nothing", True)):
         rows = [e for e in skipped if e.by_design is design]
-        print(f"{title}:" + ("" if rows else " none"))
+        print(f"{title} ({len(rows)} methods):" if rows else f"{title}: none")
         for row in rows:
             print(f"  {row.qualname:48} {row.reason}")
-    _print_allocators()
+    _print_allocators(allocators)
+    print("\n".join(outside))
     if unimported:
         print("pool modules that do not import here (their classes are not listed):")
         for module, why in unimported.items():
@@ -63,9 +77,57 @@ def run() -> int:
     return 0
 
 
-def _print_allocators() -> None:
+def _outside_pools() -> list[str]:
+    """The forward-step check and the fused writers: found in this sglang or not (the
+    lines to print; their modules are imported here, inside quiet())."""
+
+    def found(module: str, owner: str, name: str) -> str:
+        if module_file(module) is None:
+            return f"ABSENT (no {module} in this sglang)"
+        try:
+            loaded = importlib.import_module(module)
+        except Exception as exc:  # a module the CPU cannot import: said, not hidden
+            return f"not importable here ({type(exc).__name__}: {str(exc)[:80]})"
+        target = getattr(loaded, owner, None) if owner else loaded
+        return f"found in {module}" if target is not None and name in vars(target) else f"ABSENT ({name} not in {module})"
+
+    lines = ["forward step (one check of out_cache_loc per step, reports at step boundaries):",
+             f"  {STEP_HOOK.owner + '.' + STEP_HOOK.method:48} "
+             f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
+             "fused writers (KV stores outside the pool methods, checked against their buffer's rows):"]
+    for writer in FUSED_WRITERS:
+        states = [found(module, "", writer.function) for module in writer.modules]
+        here = next((state for state in states if state.startswith("found")), states[0])
+        lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.rows[1]}.shape[0]): {here}")
+    return lines
+
+
+def _inspect() -> tuple[dict[str, str], Any, Any]:
+    """Every pool module imported, then the pool write methods and allocator methods
+    the guard would wrap. Raises ModuleNotFoundError, torch named first, where the
+    guard's dependencies are missing."""
+    importlib.import_module("torch")
+    from .discover import import_pool_modules
+    from .liveness import allocator_targets
+    from .patch import coverage
+
+    unimported = import_pool_modules()
+    return unimported, coverage(), allocator_targets()
+
+
+def _print_report_dir(settings: config.Config) -> None:
+    folder = settings.report_dir
+    if folder is None:
+        print(f"report files: none (set {config.REPORT_DIR_VAR} to a folder for CI)")
+        return
+    existing = next((p for p in (Path(folder), *Path(folder).parents) if p.exists()), None)
+    writable = existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+    print(f"report files: {folder} ({'writable' if writable else 'NOT writable: the guard would warn once and go on'}"
+          f"; summarise with: python -m sglang_oobguard report {folder})")
+
+
+def _print_allocators(targets: Any) -> None:
     """What the liveness guard wraps (when on), and which pools it cannot track."""
-    targets = allocator_targets()
     if isinstance(targets, str):
         print(f"liveness tracks nothing: {targets}")
         return

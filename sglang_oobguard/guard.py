@@ -1,247 +1,370 @@
 """Wrappers: the code that runs around every guarded write.
 
-The hot path reads `loc` out of the call, picks the probe (the host scan for CPU
-tensors, the fused kernel otherwise) and hands the write on with the caller's own
-objects. Each pool carries a `PoolState`: its probe record, allocated once, and on
-a GPU a pinned host mirror that is refreshed without a sync and read only after
-its copy has finished. With liveness on, a pool whose allocator is tracked also
-carries its liveness shadow there (`liveness` keeps it; `check_free` checks frees).
+The hot path reads the ids out of the call, picks the probe (the host scan for CPU
+tensors, the fused kernel otherwise) and hands the write on. The caller's objects
+are never changed: where a write is contained (raise and warn), it receives a
+private copy of the ids with the bad ones sent to padding slot 0 (a KVWriteLoc as a
+copy with only its ids replaced). Each pool carries a `PoolState`, made when the
+pool is built: its record, the buffer the kernel writes the cleaned ids into, and,
+with liveness on, the shadow its tracked allocator keeps (`liveness`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from . import probe
 from .config import Backend, Config, Mode
 from .discover import Found
-from .report import Reporter, Violation, free_param, is_site_label, site_label
+from .record import PoolRecord, Record, fold_host
+from .report import KVOutOfBoundsError, Reporter, Violation, free_param, logger, site_id, site_label
+from .step import Steps, request_of
 
 STATE_ATTR = "_oobguard_state"
-Call = tuple  # (args, kwargs, the Found being called): read for the layer id only when needed
+STEP_LABEL = "out_cache_loc (forward step)"  # the step check's site
+NAME_ATTR = "_oobguard_name"  # a state holder that is no pool (a fused writer's) names itself
+SITES_ATTR = "_oobguard_sites"  # ...and the sites its warm-up compiles
 
 _serials = itertools.count()
 
 
 class PoolState:
-    """One pool's record and the host side of its deferred reporting."""
+    """One pool's record, the kernel's copy buffer and the liveness shadow."""
 
     def __init__(self, pool: Any, device: torch.device) -> None:
-        self.pool_name = type(pool).__name__
+        self.pool_name = pool.__dict__.get(NAME_ATTR) or type(pool).__name__
         self.serial = next(_serials)  # the pool's key in the reporter
-        self.record = probe.new_record(device)
-        on_gpu = device.type == "cuda"
-        self.mirror = torch.zeros(probe.RECORD_LEN, dtype=torch.int64, pin_memory=on_gpu)
-        self.mirror_view = self.mirror.numpy()  # plain memory reads: no torch op, no sync
-        self.copied: Optional[torch.cuda.Event] = torch.cuda.Event() if on_gpu else None
-        self.pending = False  # a mirror copy was enqueued and not read yet
-        self.reported = 0  # violating calls already reported
-        self.since_poll = 0
+        self.device = device
+        self.record = PoolRecord(device)
+        self.scratch = torch.tensor(probe.SCRATCH_INIT, dtype=torch.int64, device=device)
         self.live: Optional[probe.Live] = None  # the liveness shadow, when an allocator is tracked
-        self.live_high = 0  # the token-id bound the shadow covers
+        self.since_poll = 0
+        # The stream of the latest write probe (GPU): shadow updates on another stream wait for it.
+        self.probe_stream: Optional[torch.cuda.Stream] = None
+        self._raw_stream = 0
+        # Cleaned copies: one region per id parameter (move_kv_cache has two), sized to
+        # the pool's slots at build time; views are cached per (region, dtype, shape).
+        self._capacity = int(pool.size) + int(pool.page_size) if device.type == "cuda" else 0
+        self._copies = torch.empty(2 * self._capacity, dtype=torch.int64, device=device)
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
+        self.copied_for: list[Optional[torch.Tensor]] = [None, None]  # per region: the ids its copy was made of
+
+    def copy_for(self, region: int, loc: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor like `loc` in this pool's copy buffer."""
+        key = (region, loc.dtype, loc.shape)
+        view = self._views.get(key)
+        if view is None:
+            n = loc.numel()
+            if n > self._capacity:  # more ids than slots: grow once (never the case in sglang's own calls)
+                self._capacity = n
+                self._copies = torch.empty(2 * n, dtype=torch.int64, device=self.device)
+                self._views.clear()
+            base = self._copies[region * self._capacity:(region + 1) * self._capacity]
+            view = base.view(loc.dtype)[:n].view(loc.shape)
+            if len(self._views) >= 256:
+                self._views.clear()
+            self._views[key] = view
+        return view
+
+    def saw_stream(self, device_index: int) -> None:
+        """Remember the stream a write probe was enqueued on (a cheap raw-pointer test)."""
+        raw = torch._C._cuda_getCurrentRawStream(device_index)
+        if raw != self._raw_stream:
+            self._raw_stream = raw
+            self.probe_stream = torch.cuda.current_stream(device_index)
+
+    def after_probes(self) -> None:
+        """Order what the current stream does next (a shadow update) after every
+        write probe enqueued so far on the probing stream: a stream wait, no host sync."""
+        stream = self.probe_stream
+        if stream is None or torch.cuda.is_current_stream_capturing():
+            return
+        current = torch.cuda.current_stream(stream.device)
+        if current != stream:
+            current.wait_stream(stream)
 
 
 class Guard:
     """The process's active guard: its configuration, pools and reporter."""
 
     def __init__(self, config: Config) -> None:
+        self.config = config
         self.reporter = Reporter(config.warn_interval_s)
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
-        self._messages: dict[tuple[int, int], str] = {}
-        # The guarded call in progress, innermost: (pool, method, ids object), or None.
-        # A nested call on the same pool and method with the same ids object (a super()
-        # call) is not probed again; inside any, upstream's duplicate probe is skipped.
+        self.found: list[Found] = []  # the guarded methods: what a new pool's warm-up compiles
+        self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
+        self._messages: dict[int, str] = {}  # site -> the device-side assert text
+        self._said: set[str] = set()  # log lines said once per guard
+        self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
+        # The guarded call in progress, innermost: (pool, method, ids object passed on),
+        # or None. A nested call on the same pool and method with that ids object (a
+        # super() call) is not probed again; inside any, upstream's duplicate probe is skipped.
         self.current: Optional[tuple[Any, str, Any]] = None
         # The allocator call in progress that checks frees: (allocator, role family);
         # a nested one of the same family (free_page_ids calling free) is not counted twice.
         self.freeing: Optional[tuple[Any, str]] = None
-        self.configure(config)
+        self.steps = Steps()
+        self.step_site = site_id(STEP_LABEL)
+        self.bounds[self.step_site] = "size + page_size"
+        # Within one forward step (or one graph capture), the ids objects already probed
+        # on a pool: (pool, bound, region, ids, lens, live) -> (ids, what the write got).
+        self._memo: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._capturing = False
 
     def configure(self, config: Config) -> None:
         """New settings for the same wrappers (a second install())."""
         self.config = config
-        self.strict = config.mode is Mode.STRICT
-        self.liveness = config.liveness
-        self.scan_cpu = config.backend is not Backend.TRITON
-        self.scan_gpu = config.backend is Backend.TORCH
         self.reporter.warn_interval_s = config.warn_interval_s
 
     # -- the hot path ---------------------------------------------------------
 
-    def _on_host(self, ids: torch.Tensor) -> bool:
+    def on_host(self, ids: torch.Tensor) -> bool:
         """The host scan serves CPU tensors (backend auto or torch), and CUDA tensors
         only when asked (torch) and not while a CUDA graph is captured."""
+        backend = self.config.backend
         if ids.is_cuda:
-            return self.scan_gpu and not torch.cuda.is_current_stream_capturing()
-        return self.scan_cpu
+            return backend is Backend.TORCH and not torch.cuda.is_current_stream_capturing()
+        return backend is not Backend.TRITON
 
-    def check_write(self, pool: Any, site: int, loc: torch.Tensor, high: int, call: Call,
-                    lens: Optional[torch.Tensor] = None) -> None:
-        """Probe one write. `call` is read for the layer id only when it is needed.
-        With liveness on, ids checked against the pool's token-slot bound (the space
-        its shadow covers; MLA's DCP bound too when its span is 1) are also checked
-        against the shadow."""
-        live = None
-        if self.liveness:
-            state = pool.__dict__.get(STATE_ATTR)
-            if state is not None and state.live_high == high:
-                live = state.live
-        if self._on_host(loc):
+    def check_write(self, pool: Any, site: int, region: int, loc: torch.Tensor, high: int,
+                    layer: Callable[[], int], lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Probe one write; returns the ids the write gets: `loc` itself, or (contained
+        modes) a cleaned private copy. `layer` is called only when a report needs it.
+        With liveness on, ids checked against the pool's token-slot bound (the space its
+        shadow covers) are also checked against the shadow. Within a step (or a graph
+        capture) the same ids object on the same pool and bound is probed once."""
+        state = self.state(pool, loc.device)
+        live = state.live if state.live is not None and high == pool.size + pool.page_size else None
+        key = None
+        if self._memo_on(loc):
+            key = (id(pool), high, region, id(loc), id(lens), live is not None)
+            hit = self._memo.get(key)
+            if hit is not None and hit[0] is loc and (hit[1] is loc or state.copied_for[region] is loc):
+                return hit[1]
+        passed = self._probe(state, site, region, loc, high, layer, lens, live)
+        if key is not None:
+            self._memo[key] = (loc, passed)
+        return passed
+
+    def _memo_on(self, loc: torch.Tensor) -> bool:
+        """Inside a forward step, or while a graph is captured: a capture starts a memo
+        of its own, so each captured graph holds its probe."""
+        capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing != self._capturing:
+            self._capturing = capturing
+            self._memo.clear()
+        return capturing or self.steps.open
+
+    def _probe(self, state: PoolState, site: int, region: int, loc: torch.Tensor, high: int,
+               layer: Callable[[], int], lens: Optional[torch.Tensor], live: Optional[probe.Live]) -> torch.Tensor:
+        if self.on_host(loc):
             finding = probe.scan_host(loc, high, lens, live)
-            if finding is not None:
-                self._on_host_finding(self._state(pool, loc.device), finding, site, _layer_id(*call), high, loc.numel())
-                probe.contain_host(loc, high, lens, live)  # warn mode: the others raised
-            return
+            if finding is None:
+                return loc
+            self.report_now(state, finding.record(site, layer(), high, loc.numel(), self.steps.number))
+            return probe.cleaned(loc, high, lens, live)  # warn mode: the others raised
         if not loc.numel():
+            return loc
+        asserts = self.config.mode is Mode.STRICT and loc.is_cuda  # the assert stops the stream before the write
+        clean = None if asserts else state.copy_for(region, loc)  # (Triton's interpreter asserts nothing)
+        probe.launch(loc, high, site, layer(), state.record.tensor, state.scratch, self.steps.counter(state.device),
+                     clean, self.message(site) if asserts else None, lens, live)
+        if clean is not None:
+            state.copied_for[region] = loc
+        if loc.is_cuda:
+            state.saw_stream(loc.device.index)
+        self.launched(state)
+        return loc if clean is None else clean
+
+    # -- the forward step -------------------------------------------------------
+
+    def step_begin(self, runner: Any, batch: Any, pool: Any) -> None:
+        """A step boundary: report what landed, then check this step's out_cache_loc
+        once against the pool it targets (its copy serves the layers' writes)."""
+        self.steps.begin(runner, batch)
+        self._memo.clear()
+        for state in list(self.states):
+            self.publish(state, state.record.poll())
+        loc = getattr(batch, "out_cache_loc", None)
+        if isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size"):
+            self.check_write(pool, self.step_site, 0, loc, pool.size + pool.page_size, lambda: -1)
+
+    def step_end(self) -> None:
+        """The step's probes are enqueued: start each record's copy, read at the next step."""
+        self.steps.end()
+        self._memo.clear()
+        for state in list(self.states):
+            state.record.start_copy()
+
+    def launched(self, state: PoolState) -> None:
+        """Outside forward steps (which read every record at their boundary), look at a
+        pool's record every `poll_every` probes."""
+        if self.steps.open:
             return
-        state = self._state(pool, loc.device)
-        strict_gpu = self.strict and loc.is_cuda
-        probe.launch(loc, high, site, _layer_id(*call), state.record, self._message(site, high) if strict_gpu else None,
-                     lens, live)
-        self._launched(state)
-
-    def check_free(self, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool) -> Optional[torch.Tensor]:
-        """Check one real free against the shadow (every id must be live), then clear
-        the flags of what it gives back. `in_pages`: the ids are page ids. Returns
-        the ids to free instead, when warn mode contains a bad free on the host (the
-        live ones only); None: free `ids` as they are."""
-        live = state.live
-        assert live is not None
-        high = state.live_high
-        if in_pages:
-            live, high = live._replace(page=1), live.flags.numel()
-        if self._on_host(ids):
-            finding = probe.scan_free(ids, high, live)
-            contained = None
-            if finding is not None:  # strict and raise: raised before the allocator took the ids
-                self._on_host_finding(state, finding, site, -1, high, ids.numel())
-                contained = probe.live_only(ids, high, live)
-            probe.release_host(ids, high, live)
-            return contained
-        strict_gpu = self.strict and ids.is_cuda
-        probe.launch_free(ids, high, site, state.record, live, self._message(site, high) if strict_gpu else None)
-        self._launched(state)
-        return None
-
-    def _launched(self, state: PoolState) -> None:
         state.since_poll += 1
         if state.since_poll >= self.config.poll_every:
             state.since_poll = 0
-            self._poll(state)
+            self.publish(state, state.record.poll())
 
-    def start_shadow(self, pool: Any, device: torch.device, high: int, page: int) -> PoolState:
-        """A tracked allocator was (re)cleared: every page of its pool is free."""
-        state = self._state(pool, device)
-        pages = -(-high // page)
-        if state.live is None or state.live.page != page or state.live.flags.numel() != pages:
-            state.live = probe.new_live(pages, page, device)
-        else:
-            state.live.flags.zero_()
-        state.live_high = high
-        return state
+    def state(self, pool: Any, device: torch.device) -> PoolState:
+        """The pool's state: made when the pool was built, else now (a pool class whose
+        constructor skips KVCache's, or a mock)."""
+        return pool.__dict__.get(STATE_ATTR) or self.attach(pool, device)
 
-    def _state(self, pool: Any, device: torch.device) -> PoolState:
-        return pool.__dict__.get(STATE_ATTR) or self._attach(pool, device)
+    def mark(self, obj: Any, attr: str, value: Any) -> None:
+        """Set one of our attributes on an object of sglang's, remembered for `forget`."""
+        obj.__dict__[attr] = value
+        self._marked.append((weakref.ref(obj), attr))
 
-    def _attach(self, pool: Any, device: torch.device) -> PoolState:
+    def forget(self) -> None:
+        """Take our attributes off sglang's objects again (uninstall)."""
+        for ref, attr in self._marked:
+            obj = ref()
+            if obj is not None:
+                obj.__dict__.pop(attr, None)
+        self._marked.clear()
+
+    def attach(self, pool: Any, device: torch.device) -> PoolState:
         state = PoolState(pool, device)
-        setattr(pool, STATE_ATTR, state)
+        self.mark(pool, STATE_ATTR, state)
         self.states.add(state)
+        if device.type == "cuda":
+            self.warm_up(state, pool.__dict__.get(SITES_ATTR) or self._sites(type(pool)))
         return state
 
-    def _message(self, site: int, high: int) -> str:
-        """The device-side assert text: constant per (site, bound), under CUDA's 256 bytes."""
-        key = (site, high)
-        if key not in self._messages:
-            what = f"KV slot id outside [0, {high})"
-            if free_param(site):
-                what = f"freed {what} or not allocated (double free)"
-            elif self.liveness:
-                what += " or not allocated"
-            self._messages[key] = (
-                f"sglang_oobguard: {site_label(site)}: {what}; "
-                "see the scheduler log, or rerun with SGLANG_OOBGUARD_MODE=raise for the report"
-            )[:255]
-        return self._messages[key]
+    def _sites(self, cls: type) -> dict[int, bool]:
+        """The sites a pool of this class probes: {site: whether it takes row lengths}."""
+        sites = {site: found.rule.lens is not None for found in self.found if issubclass(cls, found.owner)
+                 for site in found.sites}
+        sites[self.step_site] = False
+        return sites
+
+    def warm_up(self, state: PoolState, sites: dict[int, bool]) -> None:
+        """Compile, by empty launches, every kernel variant this pool's writes can ask
+        for, so that serving and graph capture never compile. Strict mode compiles one
+        variant per site (its assert text); the others share theirs."""
+        strict = self.config.mode is Mode.STRICT
+        if not strict:
+            sites = {-1: any(sites.values())}
+        lives = (None, probe.Live(state.scratch[:0].view(torch.int32), 1)) if self.config.liveness else (None,)
+        for dtype in (torch.int64, torch.int32):
+            loc = torch.empty(0, dtype=dtype, device=state.device)
+            for site, with_lens in sites.items():
+                for lens in (None, torch.empty(0, 0, dtype=dtype, device=state.device))[:1 + with_lens]:
+                    for live in lives:
+                        probe.launch(loc if lens is None else lens, 1, max(site, 0), -1, state.record.tensor,
+                                     state.scratch, self.steps.counter(state.device), None if strict else loc,
+                                     self.message(site) if strict else None, None if lens is None else lens[:, 0], live)
+
+    def message(self, site: int) -> str:
+        """The device-side assert text of a site: a compile-time constant, under CUDA's 256 bytes."""
+        text = self._messages.get(site)
+        if text is None:
+            text = self._messages[site] = _assert_text(site, self.bounds.get(site, "the pool's ids"),
+                                                       self.config.liveness)
+        return text
 
     # -- reporting ------------------------------------------------------------
 
-    def _on_host_finding(self, state: PoolState, finding: probe.Finding, site: int,
-                         layer: int, high: int, numel: int) -> None:
-        """Record and publish; returns only in warn mode (the caller then contains)."""
-        probe.fold_host(state.record, finding, site, layer, high, numel)
-        totals = probe.read(state.record)
-        state.reported = totals.calls
-        violation = Violation(site_label(site), state.pool_name, layer, high, finding.bad,
-                              numel, finding.pos, finding.value, totals.total_bad, totals.calls, free_param(site))
-        self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
+    def report_now(self, state: PoolState, call: Record) -> None:
+        """A host finding: fold it into the record and publish this call (with the
+        running totals) at once; raises unless warn."""
+        fold_host(state.record.tensor, call)
+        totals = state.record.read_now()
+        self.publish(state, call._replace(total_bad=totals.total_bad, calls=totals.calls))
 
-    def _poll(self, state: PoolState) -> None:
-        """Report a record whose mirror copy has landed, then start the next copy.
-        Never waits: an unfinished copy is left for the next poll."""
-        if state.copied is not None and torch.cuda.is_current_stream_capturing():
-            return
-        if state.pending and state.copied is not None and not state.copied.query():
-            return
-        if state.pending:
-            self._publish_record(state, probe.Record(*state.mirror_view.tolist()))
-        state.mirror.copy_(state.record, non_blocking=True)
-        if state.copied is not None:
-            state.copied.record()
-        state.pending = True
-
-    def _publish_record(self, state: PoolState, record: probe.Record) -> None:
-        if record.calls <= state.reported:
-            return
-        state.reported = record.calls
-        violation = Violation(site_label(record.site), state.pool_name, record.layer, record.high,
-                              record.bad, record.numel, record.pos, record.value,
-                              record.total_bad, record.calls, free_param(record.site))
-        self.reporter.publish(state.serial, violation, fatal=self.config.mode is not Mode.WARN)
+    def publish(self, state: PoolState, record: Optional[Record]) -> None:
+        if state.record.unreported(record):
+            assert record is not None
+            lay = self.steps.find(record.step) if record.step >= 0 and not free_param(record.site) else None
+            where = request_of(lay, record.pos, record.numel) if lay is not None else {"step": record.step}
+            self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **where),
+                                  fatal=self.config.mode is not Mode.WARN)
 
     def check(self) -> None:
         """An explicit check point: read every pool's record (this may sync)."""
         for state in list(self.states):
-            self._publish_record(state, probe.read(state.record))
+            self.publish(state, state.record.read_now())
 
     def violations(self) -> list[Violation]:
         return list(self.reporter.latest.values())
 
+    def first_time(self, key: str) -> bool:
+        """True the first time `key` is asked for: a line said once per guard."""
+        if key in self._said:
+            return False
+        self._said.add(key)
+        return True
+
+    def internal_error(self, where: str, exc: BaseException) -> None:
+        """The guard's own bookkeeping failed: log once per place, never raise into sglang."""
+        if self.first_time(f"internal {where}"):
+            logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
+                         where, type(exc).__name__, exc)
+
+
+def _assert_text(site: int, bound: str, liveness: bool) -> str:
+    what = f"KV slot id outside [0, {bound})"
+    if free_param(site):
+        what = "freed id outside the pool, or not allocated (double free)"
+    elif liveness:
+        what += ", or not allocated"
+    return (f"sglang_oobguard: {site_label(site)}: {what}; "
+            "rerun with SGLANG_OOBGUARD_MODE=raise for the report")[:255]
+
 
 def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
-    """The wrapt wrapper for one found method: probe each id parameter, then write.
-    The caller's objects pass on unchanged (a KVWriteLoc stays a KVWriteLoc: 0.5.22+
-    unified pools require the original). A nested call on the same pool and method
-    with the same ids object, i.e. a super() call, is not probed again."""
+    """The wrapt wrapper for one found method: probe each id parameter, then write with
+    what the probe hands back (the caller's ids, or a cleaned copy). A nested call on
+    the same pool and method with the ids object passed on, i.e. a super() call, is
+    not probed again."""
     method = found.method
-    specs = tuple((ids.position, name, ids.bound.high, site)
-                  for ids, name, site in zip(found.rule.ids, found.id_names, found.sites))
-    head_at, head_name = specs[0][0], specs[0][1]
+    specs = tuple((region, ids.position, name, ids.bound.high, site)
+                  for region, (ids, name, site) in enumerate(zip(found.rule.ids, found.id_names, found.sites)))
+    head_at, head_name = specs[0][1], specs[0][2]
     lens_at = found.rule.lens
     check = guard.check_write
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
         outer = guard.current
+        head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
-        guard.current = (instance, method, head)
         try:
             lens = None if lens_at is None else _arg(args, kwargs, lens_at, "commit_lens")
-            for position, name, high, site in specs:
-                value = args[position] if len(args) > position else kwargs.get(name)
+            for region, position, name, high, site in specs:
+                given = len(args) > position
+                value = args[position] if given else kwargs.get(name)
                 loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
-                if loc is not None:
-                    check(instance, site, loc, high(instance), (args, kwargs, found), lens)
+                if not isinstance(loc, torch.Tensor):
+                    continue
+                checked = check(instance, site, region, loc, high(instance), lambda: _layer_id(args, kwargs, found), lens)
+                if checked is not loc:
+                    passed = checked if value is loc else dataclasses.replace(value, loc=checked)
+                    args, kwargs = _replaced(args, kwargs, position, name, given, passed)
+        except KVOutOfBoundsError:
+            raise
+        except Exception as exc:  # the guard's own failure: the write goes on unchecked
+            guard.internal_error(found.qualname, exc)
+        head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
+        guard.current = (instance, method, head)
+        try:
             return wrapped(*args, **kwargs)
         finally:
             guard.current = outer
 
     return wrapper
+
+
+def _replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
+    if given:
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
 
 
 def _arg(args: tuple, kwargs: dict, position: int, name: str) -> Any:
@@ -267,6 +390,7 @@ def make_upstream_skip(guard: Guard) -> Callable[..., Any]:
     inside a method we guard, a call under one of our labels is the check our probe
     just made, so skip it; every other upstream probe (NaN, Inf, page alignment,
     other modules, and any call outside our methods) runs as before."""
+    from .report import is_site_label
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         label = args[3] if len(args) > 3 else kwargs.get("msg")
@@ -275,3 +399,31 @@ def make_upstream_skip(guard: Guard) -> Callable[..., Any]:
         return wrapped(*args, **kwargs)
 
     return wrapper
+
+
+def make_constructor_hook(guard: Guard) -> Callable[..., Any]:
+    """Wrapper for KVCache.__init__: every pool gets its state (and its kernels their
+    warm-up) as it is built, not on its first write, which may be under graph capture."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        if STATE_ATTR not in instance.__dict__:
+            try:
+                guard.attach(instance, torch.device(instance.device))
+            except Exception as exc:
+                guard.internal_error(f"{type(instance).__name__}.__init__", exc)
+        return result
+
+    return wrapper
+
+
+def attach_existing(guard: Guard, pools: Iterable[Any]) -> None:
+    """Give pools built before install() their state now (a pool whose constructor
+    failed half way, without size or device, is no pool: left alone)."""
+    for pool in pools:
+        built = all(name in pool.__dict__ for name in ("size", "page_size", "device"))
+        if built and STATE_ATTR not in pool.__dict__:
+            try:
+                guard.attach(pool, torch.device(pool.device))
+            except Exception as exc:
+                guard.internal_error(f"{type(pool).__name__} (built before install)", exc)

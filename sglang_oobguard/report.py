@@ -9,7 +9,11 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .record import Record
+    from .reportfile import ReportFile
 
 logger = logging.getLogger("sglang_oobguard")  # messages name us themselves: sglang's format omits the logger
 
@@ -38,15 +42,18 @@ def ensure_visible() -> None:
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
 _SITE_LABELS: list[str] = []
+_SITE_IDS: dict[str, int] = {}
 # Free sites (the liveness guard's allocator methods): site id -> the freed ids' name.
 _FREE_PARAMS: dict[int, str] = {}
 
 
 def site_id(label: str) -> int:
     """The id of a label, the same for every method that shares it."""
-    if label not in _SITE_LABELS:
+    site = _SITE_IDS.get(label)
+    if site is None:
+        site = _SITE_IDS[label] = len(_SITE_LABELS)
         _SITE_LABELS.append(label)
-    return _SITE_LABELS.index(label)
+    return site
 
 
 def free_site_id(label: str, param: str) -> int:
@@ -62,7 +69,7 @@ def free_param(site: int) -> Optional[str]:
 
 
 def is_site_label(label: object) -> bool:
-    return label in _SITE_LABELS
+    return label in _SITE_IDS
 
 
 def site_label(site: int) -> str:
@@ -86,10 +93,34 @@ class Violation:
     total_bad: int
     calls: int
     freed: Optional[str] = None  # a free site: the name of the freed ids' parameter
+    # Where in serving (a write inside a forward step; see `step`): -1 / None when unknown.
+    step: int = -1  # the process's forward step number
+    mode: Optional[str] = None  # sglang's forward mode: extend, decode, target_verify, draft_extend, idle, ...
+    batch_size: Optional[int] = None
+    request: Optional[str] = None  # the request's rid (or, before rids, its req_pool_indices entry)
+    token: Optional[int] = None  # the token's index within its request
+    ranks: Optional[str] = None  # "tp 1, pp 0, dp 0"
+
+    @classmethod
+    def of(cls, record: "Record", pool: str, **where: object) -> "Violation":
+        """A pool's record, as the report names it; `where`: the step fields."""
+        return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
+                   record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
+                   **where)  # type: ignore[arg-type]
+
+    def context(self) -> str:
+        """Where in serving it happened, when known: step, mode, batch, request, token, ranks."""
+        parts = []
+        if self.step >= 0:
+            parts.append(f"step {self.step}" + (f" ({self.mode}, batch {self.batch_size})" if self.mode else ""))
+        if self.request is not None:
+            parts.append(f"request {self.request}" + (f" token {self.token}" if self.token is not None else ""))
+        if self.ranks:
+            parts.append(self.ranks)
+        return "; ".join(parts)
 
     def __str__(self) -> str:
-        layer = self.layer if self.layer >= 0 else "?"
-        head = f"{self.label}: " if self.freed else f"{self.label} layer {layer}: "
+        head = f"{self.label}: " if self.freed or self.layer < 0 else f"{self.label} layer {self.layer}: "
         name = self.freed or "loc"
         if 0 <= self.value < self.high:
             tail = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
@@ -98,17 +129,34 @@ class Violation:
         return f"{head}{self.bad} of {self.numel} slot ids outside [0, {self.high}): {name}[{self.pos}] = {self.value}"
 
 
+def described(violation: Violation) -> str:
+    """The one-line report: the violation, its pool, and where in serving."""
+    context = violation.context()
+    return f"{violation} (pool {violation.pool})" + (f"; {context}" if context else "")
+
+
+def _contained(violation: Violation) -> str:
+    """What warn mode did about it, in words."""
+    if violation.freed:
+        return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
+    return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
+
+
 class KVOutOfBoundsError(IndexError):
     """A KV-cache write was handed slot ids outside its pool (or, with liveness,
     slots that are not allocated; a free, slots that are not allocated)."""
 
+    low = 0  # ids must lie in [low, violation.high)
+
     def __init__(self, violation: Violation) -> None:
         self.violation = violation
-        self.label, self.pool, self.layer = violation.label, violation.pool, violation.layer
-        self.low, self.high = 0, violation.high
-        self.bad, self.numel = violation.bad, violation.numel
-        self.pos, self.value = violation.pos, violation.value
-        super().__init__(f"{violation} (pool {violation.pool})")
+        super().__init__(described(violation))
+
+    def __getattr__(self, name: str) -> object:
+        """The violation's fields, read through (one schema: no copies)."""
+        if name == "violation":
+            raise AttributeError(name)
+        return getattr(self.violation, name)
 
 
 class Reporter:
@@ -119,9 +167,12 @@ class Reporter:
         self.latest: dict[int, Violation] = {}  # key: the pool's serial number
         self._last_log: Optional[float] = None
         self._suppressed = 0
+        self.file: Optional["ReportFile"] = None  # SGLANG_OOBGUARD_REPORT_DIR's file, when set
 
     def publish(self, key: int, violation: Violation, fatal: bool) -> None:
         self.latest[key] = violation
+        if self.file is not None:
+            self.file.violation(key, violation)
         if fatal:
             raise KVOutOfBoundsError(violation)
         self._warn(violation)
@@ -129,14 +180,13 @@ class Reporter:
     def _warn(self, violation: Violation) -> None:
         now = time.monotonic()
         if self._last_log is None:
-            logger.warning("sglang_oobguard: bad KV slot ids, writes contained (ids sent to padding slot 0): %s (pool %s)",
-                           violation, violation.pool)
+            logger.warning("sglang_oobguard: %s: %s", _contained(violation), described(violation))
         elif now - self._last_log >= self.warn_interval_s:
             bad = sum(v.total_bad for v in self.latest.values())
             calls = sum(v.calls for v in self.latest.values())
             logger.warning("sglang_oobguard: bad KV slot ids so far: %d in %d calls "
-                           "(%d reports not logged since the last line); latest: %s (pool %s)",
-                           bad, calls, self._suppressed, violation, violation.pool)
+                           "(%d reports not logged since the last line); latest: %s",
+                           bad, calls, self._suppressed, described(violation))
         else:
             self._suppressed += 1
             return

@@ -138,6 +138,44 @@ LABELS: dict[tuple[str, str], str] = {
 }
 
 
+# -- outside the pool classes: the forward step and the fused writers -------------
+
+
+@dataclass(frozen=True)
+class StepHook:
+    """The method every forward pass runs through: `method(self, forward_batch, ...)`;
+    the runner's `pool_attr` is the pool its out_cache_loc indexes."""
+
+    module: str
+    owner: str
+    method: str
+    pool_attr: str
+
+
+STEP_HOOK = StepHook("sglang.srt.model_executor.model_runner", "ModelRunner", "forward", "token_to_kv_pool")
+
+
+@dataclass(frozen=True)
+class Writer:
+    """A KV writer outside the pool classes: a module function that writes K/V rows at
+    ids it takes itself. Looked up by sglang at call time in `module` (its callers
+    reach it through that module's globals), so it is wrapped there."""
+
+    modules: tuple[str, ...]  # where it lives, newest release first
+    function: str
+    ids: Ids  # position among the function's arguments
+    rows: tuple[int, str]  # the argument whose rows the ids index: the bound is its shape[0]
+    label: str
+
+
+FUSED_WRITERS = (
+    # The fused RoPE + KV store (Qwen3-MoE, bailing/Ling, LLaDA2, SDAR, ... with bf16 KV on
+    # CUDA): the attention backend then runs with save_kv_cache=False, no pool method writes.
+    Writer(("sglang.kernels.ops.attention.rope", "sglang.jit_kernel.rope"), "apply_rope_inplace_with_kvcache",
+           Ids(7, ("out_loc",)), (3, "k_cache"), "apply_rope_inplace_with_kvcache (fused RoPE + KV store)"),
+)
+
+
 def rule_for(class_name: str, method: str) -> Optional[Rule]:
     return OWN.get((class_name, method)) or CONTRACT.get(method)
 
@@ -150,7 +188,7 @@ def label_for(class_name: str, method: str, ids: Ids) -> str:
 
 # -- liveness (SGLANG_OOBGUARD_LIVENESS): the allocators that hand slots out --------
 
-ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"  # a module before 0.5.2x, a package after
+ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"  # a module in older releases, a package by 0.5.16
 ALLOCATOR_BASE = "BaseTokenToKVPoolAllocator"
 POOL_OF_ALLOCATOR = "_kvcache"  # sglang's own wiring: the allocator holds its KV pool
 
@@ -177,12 +215,29 @@ ALLOCATOR_METHODS: dict[str, Role] = {
     "alloc_extend": Role.ALLOC,
     "alloc_decode": Role.ALLOC,
     "free": Role.FREE,  # free_full, free_segment(s) of the token allocator call it
-    "free_page_ids": Role.FREE_PAGES,  # 0.5.2x; the paged free_segment calls it
+    "free_page_ids": Role.FREE_PAGES,  # 0.5.20+; the paged free_segment calls it
     "free_group_end": Role.GROUP_END,
     "clear": Role.CLEAR,  # resize() calls it too
-    "backup_state": Role.BACKUP,  # before 0.5.2x
+    "backup_state": Role.BACKUP,  # before 0.5.17
     "restore_state": Role.RESTORE,
 }
+
+
+def module_file(module: str) -> Optional[str]:
+    """Where sglang keeps `module` (a.b.c -> .../a/b/c.py), found without importing it."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    top, _, rest = module.partition(".")
+    spec = find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        base = Path(root, *rest.split("."))
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return str(path)
+    return None
 
 
 def version_of_sglang() -> str:
@@ -195,10 +250,12 @@ def version_of_sglang() -> str:
 
 
 def is_supported(version: str) -> bool:
-    parts: list[int] = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            return False
-        parts.append(int(digits))
-    return SUPPORTED[0] <= tuple(parts) <= SUPPORTED[1]
+    """Whether this release lies in the declared range: its release numbers, so a
+    local build (0.5.23+cu130), a post or a pre-release of a release in range count."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(version).release[:3]
+    except InvalidVersion:
+        return False
+    return SUPPORTED[0] <= release <= SUPPORTED[1]

@@ -15,18 +15,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import GUARD_VARS  # noqa: E402
+from helpers import GUARD_VARS, shim_old_sglang  # noqa: E402
 
-if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
-    # sglang 0.4.x (built for torch 2.7) asks torch._C._cpu for this check; torch 2.14.1,
-    # the torch of every cell here, moved it to torch.cpu. Same function, old name.
-    torch._C._cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported
+shim_old_sglang()
+pytest_plugins = ["pytester"]  # the pytest plugin's own tests (tests/test_pytest_plugin.py)
 
 
 @pytest.fixture(scope="session")
 def mp():
     """sglang's memory_pool module, with the parallel context that MLA writes assert on
-    where the release has one (0.5.2x)."""
+    where the release has one (0.5.16 and later; runtime_context itself is older)."""
     import importlib.util
 
     from sglang.srt.mem_cache import memory_pool
@@ -34,7 +32,9 @@ def mp():
     if importlib.util.find_spec("sglang.srt.runtime_context"):
         from sglang.srt.runtime_context import get_parallel
 
-        get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
+        context = get_parallel()
+        if hasattr(context, "override_permanently"):
+            context.override_permanently(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
     return memory_pool
 
 

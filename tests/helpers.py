@@ -6,14 +6,25 @@ import inspect
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 
 GUARD_VARS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE",
               "SGLANG_OOBGUARD_BACKEND", "SGLANG_OOBGUARD_POLL_EVERY", "SGLANG_OOBGUARD_WARN_INTERVAL_S",
-              "SGLANG_OOBGUARD_LIVENESS")
+              "SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_REPORT_DIR")
 ROOT = Path(__file__).resolve().parent.parent
+SGLANG = version("sglang")
+# The sites' pool classes that not every release of the matrix has: tag in the label -> class.
+FP4_POOLS = {"MHA-FP4": "MHATokenToKVPoolFP4", "MLA-FP4": "MLATokenToKVPoolFP4"}
+
+
+def shim_old_sglang() -> None:
+    """sglang 0.4.x (built for torch 2.7) asks torch._C._cpu for this check; torch 2.14.1,
+    the torch of every cell here, moved it to torch.cpu. Same function, old name."""
+    if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
+        torch._C._cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported
 
 
 def needs(mp, name: str, since: str) -> None:
@@ -21,7 +32,14 @@ def needs(mp, name: str, since: str) -> None:
     import pytest
 
     if not hasattr(mp, name):
-        pytest.skip(f"{name} arrived in sglang {since}")
+        pytest.skip(f"{name} does not exist in sglang {SGLANG} (it arrived in {since})")
+
+
+def needs_site(mp, label: str) -> None:
+    """Skip a site whose pool class this release does not have (the FP4 pools arrived in 0.5.8)."""
+    for tag, name in FP4_POOLS.items():
+        if f"({tag})" in label:
+            needs(mp, name, "0.5.8")
 
 
 def as_write_loc(mp, loc: torch.Tensor):
@@ -29,14 +47,19 @@ def as_write_loc(mp, loc: torch.Tensor):
     return mp.KVWriteLoc(loc) if hasattr(mp, "KVWriteLoc") else loc
 
 
-def sglang_can_write(make, method: str, payload) -> None:
-    """Skip where sglang's own write of this pool fails on the CPU for this release."""
+def sglang_can_write(mp, label: str) -> None:
+    """Skip where this release lacks the site's pool class, or where sglang's own write
+    of that pool fails on the CPU in this release (e.g. the FP4 writes of 0.5.12)."""
     import pytest
 
+    needs_site(mp, label)
+    make, method, payload = site_cases(mp)[label]
+    pool = make()
     try:
-        getattr(make(), method)(Layer(0), torch.tensor([1]), *payload(1))
+        getattr(pool, method)(Layer(0), torch.tensor([1]), *payload(1))
     except Exception as exc:  # sglang's, not ours: the guard is not installed here
-        pytest.skip(f"sglang's own {method} fails on the CPU in this release: {type(exc).__name__}: {exc}")
+        pytest.skip(f"sglang {SGLANG}'s own {type(pool).__name__}.{method} fails on the CPU: "
+                    f"{type(exc).__name__}: {exc}")
 
 
 class Layer:
@@ -103,3 +126,29 @@ def run_python(code: str, env: dict[str, str | None], timeout: float = 240) -> s
     full = {k: v for k, v in full.items() if v is not None}
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
+
+
+# Python source that a fresh interpreter (or a pytest run of its own) runs first: these
+# helpers importable, and sglang 0.4.x's torch shim applied.
+SHIM = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); from helpers import shim_old_sglang; shim_old_sglang()\n"
+
+# Python source for a fresh interpreter: activate the guard the way sglang's own processes
+# do on this release (its plugin loader, 0.5.11+; before, the .pth hook at memory_pool's
+# first import), then write slot ids {ids} into a real MHATokenToKVPool at layer 1
+# (size 64: ids must lie in [0, 65)). Format with ids=[...].
+GUARDED_WRITE = SHIM + """
+import importlib.util, site, torch
+if importlib.util.find_spec("sglang.srt.plugins"):
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+else:
+    site.addsitedir(%r)  # the folder that holds sglang_oobguard.pth
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+class Layer:
+    layer_id = 1
+
+pool = MHATokenToKVPool(64, 1, torch.float32, 2, 4, 2, "cpu", False)
+k = torch.ones(len({ids}), 2, 4)
+pool.set_kv_buffer(Layer, torch.tensor({ids}), k, k)
+""" % str(ROOT)

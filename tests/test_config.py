@@ -102,3 +102,16 @@ def test_install_argument_wins_and_defaults_to_strict():
     cfg = from_env({"SGLANG_OOBGUARD_LIVENESS": "1"}, default=Mode.STRICT)
     assert cfg.mode is Mode.STRICT and cfg.liveness
     assert not from_env({"SGLANG_OOBGUARD_MODE": "off"}, default=Mode.STRICT).active
+
+
+def test_report_dir_is_made_absolute_and_empty_is_unset(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert from_env({"SGLANG_OOBGUARD_REPORT_DIR": "reports"}).report_dir == str(tmp_path / "reports")
+    assert from_env({"SGLANG_OOBGUARD_REPORT_DIR": ""}).report_dir is None
+    assert from_env({}).report_dir is None
+
+
+def test_report_dir_with_stray_spaces_is_an_error():
+    with pytest.raises(ConfigError, match=r"invalid SGLANG_OOBGUARD_REPORT_DIR=' reports'; accepted: a folder path "
+                                          "without leading or trailing spaces"):
+        from_env({"SGLANG_OOBGUARD_REPORT_DIR": " reports", "SGLANG_OOBGUARD_MODE": "warn"})

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import venv
 from importlib.metadata import version
 
-from helpers import run_python
+from helpers import ROOT, run_python
 
 DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['doctor']))"
 # What the doctor's own discovery should list, from the same walk in a second interpreter.
@@ -24,28 +28,79 @@ print(json.dumps(rows))
 """
 
 
-def test_doctor_lists_version_activation_mode_and_every_write_method():
+def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
     import json
 
-    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn"})
+    folder = tmp_path / "reports" / "new"
+    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_REPORT_DIR": str(folder)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.startswith(f"sglang {version('sglang')} (supported;")
     assert "entry point sglang.srt.plugins:oobguard registered" in out and ".pth import hook" in out
-    assert "mode: warn (active); backend: auto; liveness: off (set SGLANG_OOBGUARD_LIVENESS=1" in out
+    assert "mode: warn (active); backend: auto (the kernel on CUDA tensors (no sync); the host scan on CPU tensors, " \
+           "and on NPU, XPU and MUSA tensors at one host sync per write); liveness: off (set SGLANG_OOBGUARD_LIVENESS=1" in out
+    assert f"report files: {folder} (writable; summarise with: python -m sglang_oobguard report {folder})" in out
     assert "  TokenToKVPoolAllocator.alloc " in out and "  PagedTokenToKVPoolAllocator.alloc_extend " in out
     assert "liveness not tracked (bound check only): " in out and "SWATokenToKVPoolAllocator" in out
     expected = run_python(EXPECTED, {})
     rows = json.loads(expected.stdout.strip().splitlines()[-1])
     assert any(kind == "guarded" for *_, kind in rows)
-    sections = out.split("\nnot guarded:")
-    guarded, rest = sections[0], sections[1]
+    sections = section_rows(out)
     for qualname, what, bound, kind in rows:
         if kind == "guarded":
-            assert any(qualname in line and what in line and bound in line for line in guarded.splitlines()), qualname
+            assert any(qualname in line and what in line and bound in line for line in sections["guarded"]), qualname
         else:  # named with its reason, under "not guarded" or "left alone"
-            part = rest.split("left alone")[0 if kind == "not" else 1]
-            assert any(qualname in line and what in line for line in part.splitlines()), qualname
+            part = sections["not guarded" if kind == "not" else "left alone, writes nothing"]
+            assert any(qualname in line and what in line for line in part), qualname
+    # every count says what it counts: methods, one row each, the same as the walk's
+    methods = {kind: len({qualname for qualname, *_, k in rows if k == kind}) for kind in ("guarded", "not", "alone")}
+    assert [len(sections[title]) for title in ("guarded", "not guarded", "left alone, writes nothing")] == \
+        [methods["guarded"], methods["not"], methods["alone"]]
+    assert f"guarded ({methods['guarded']} methods, of the pool classes of every pool module" in out
+    assert f"not guarded ({methods['not']} methods):" in out or methods["not"] == 0
+
+
+def section_rows(out: str) -> dict[str, list[str]]:
+    """The doctor's sections ("title (N methods):" or "title: none") and their rows,
+    checking that each header's count is its number of rows."""
+    sections: dict[str, list[str]] = {}
+    title = ""
+    for line in out.splitlines():
+        if line.startswith("  "):
+            sections[title].append(line)
+        else:
+            title = re.split(r" \(|:", line)[0]
+            sections[title] = []
+            count = re.match(r"[^(]+\((\d+) ", line)
+            if count and title != "sglang":
+                sections[title + " count"] = [count.group(1)]
+    for name in [n for n in sections if n.endswith(" count")]:
+        assert int(sections.pop(name)[0]) == len(sections[name[:-len(" count")]]), name
+    return sections
+
+
+def test_doctor_prints_nothing_but_its_report(tmp_path):
+    """sglang's import-time warnings ("Only CUDA, HIP and XPU support AWQ currently")
+    and log lines stay out of it."""
+    (tmp_path / "a-file").write_text("")
+    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_REPORT_DIR": str(tmp_path / "a-file" / "reports")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reports (NOT writable: the guard would warn once and go on;" in proc.stdout
+    assert proc.stderr == ""
+    assert "AWQ" not in proc.stdout and "Warning" not in proc.stdout
+
+
+def test_doctor_without_torch_says_so_in_one_line(tmp_path):
+    """A python that has no torch (a bare venv, the package on PYTHONPATH): one line
+    naming what is missing, no traceback."""
+    venv.create(tmp_path / "bare", with_pip=False)
+    python = tmp_path / "bare" / "bin" / "python"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([str(python), "-m", "sglang_oobguard", "doctor"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == "" and len(proc.stdout.splitlines()) == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"sglang_oobguard doctor: torch is not installed for {python}")
 
 
 def test_doctor_exits_non_zero_on_an_invalid_configuration():

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from e2e.harness import assert_radix_reused, run_engine
+from sglang_oobguard import summary
 
 pytestmark = pytest.mark.e2e
 
@@ -63,9 +64,10 @@ def test_strict_and_raise_fail_the_engine_with_the_full_report(model, mode, valu
     assert not run.leftovers
 
 
-def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model, clean):
+def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model, clean, tmp_path):
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "3600",
-                             "OOBGUARD_FAULT": "step=3-6,token=1,value=high+3"})
+                             "OOBGUARD_FAULT": "step=3-6,token=1,value=high+3",
+                             "SGLANG_OOBGUARD_REPORT_DIR": str(tmp_path)})
     assert len(injected(run)) == 4, run.log[-3000:]
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
     outputs = run.result["outputs"]
@@ -76,6 +78,16 @@ def test_warn_serves_every_request_keeps_the_others_intact_and_rate_limits(model
     assert len(warnings) == 1, warnings  # four faulted steps, one line: rate-limited
     assert f"loc[1] = {POOL_HIGH + 3}" in warnings[0] and "layer 0" in warnings[0]
     assert not run.leftovers
+    # the report folder: every process of the engine filed its activation, the scheduler each fault
+    report = summary.read(str(tmp_path))
+    roles = {p.activation["role"]: p for p in report.processes}
+    assert {None, "run_scheduler_process", "run_detokenizer_process"} <= roles.keys(), roles.keys()
+    scheduler = roles["run_scheduler_process"]
+    assert scheduler.activation["ranks"] == {"tp_rank": 0, "pp_rank": 0} and scheduler.reports == 4
+    assert [p for p in report.processes if p.reports] == [scheduler]
+    (group,) = report.groups
+    assert (group.label, group.pool, group.layer, group.reports) == ("set_kv_buffer (MHA)", "MHATokenToKVPool", 0, 4)
+    assert group.first["violation"]["value"] == POOL_HIGH + 3 and report.exit_code == summary.VIOLATIONS
 
 
 def test_http_server_generates_with_the_guard_on_and_shuts_down_cleanly(model, tmp_path):
@@ -112,7 +124,7 @@ def test_liveness_catches_a_slot_freed_while_its_request_decodes(model, mode):
     report = f"set_kv_buffer (MHA) layer 0: loc[1] = {slot} is not allocated (freed) (pool MHATokenToKVPool)"
     if mode == "warn":  # served; the write contained; the request's own free later is a double free
         assert run.returncode == 0 and run.result and len(run.result["outputs"]) == 4, run.log[-3000:]
-        assert f"writes contained (ids sent to padding slot 0): {report}" in run.log
+        assert f"write contained (the write got a copy with those ids sent to padding slot 0): {report}" in run.log
         assert re.search(rf"free \(TokenToKVPoolAllocator\): free_index\[\d+\] = {slot} is not allocated "
                          r"\(double free\)", run.log), run.log[-3000:]
         assert "memory leak" not in run.log  # the double free was contained: sglang's own pool census holds

@@ -8,6 +8,7 @@ import sglang_oobguard
 from sglang_oobguard.config import ConfigError
 from sglang_oobguard.discover import Found
 from sglang_oobguard.patch import coverage
+from helpers import mha
 
 
 def originals(mp):
@@ -76,3 +77,30 @@ def test_coverage_guards_the_six_upstream_sites_and_inherits_nothing(mp):
     assert ("MHATokenToKVPool", "set_kv_buffer") in here and here <= found
     for entry in coverage():  # only what a class defines itself: inherited methods are guarded once, at home
         assert entry.method in entry.owner.__dict__
+
+
+def test_a_pool_gets_its_state_when_built_not_on_its_first_write(mp, guard):
+    """The record, copy buffer and (on a GPU) the warm-up compiles exist before serving
+    or graph capture: made by KVCache's constructor, or by install() over a pool built before."""
+    from sglang_oobguard.guard import STATE_ATTR
+
+    before = mha(mp)
+    guard("raise")
+    built = mha(mp)
+    for pool in (before, built):
+        state = pool.__dict__.get(STATE_ATTR)
+        assert state is not None and state.pool_name == "MHATokenToKVPool"
+        assert state.record.read_now().calls == 0
+
+
+def test_uninstall_takes_the_guards_attributes_off_sglangs_objects(mp, guard):
+    from sglang.srt.mem_cache import allocator
+
+    from helpers import token_allocator
+
+    guard("raise", liveness=True)
+    pool = mha(mp)
+    alloc = token_allocator(allocator, pool)
+    assert any(name.startswith("_oobguard") for name in vars(pool)) and any(name.startswith("_oobguard") for name in vars(alloc))
+    sglang_oobguard.uninstall()
+    assert not [name for obj in (pool, alloc) for name in vars(obj) if name.startswith("_oobguard")]

@@ -22,9 +22,10 @@ from sglang_oobguard.config import Config, Mode
 from sglang_oobguard.guard import Guard
 from sglang_oobguard.report import site_id
 
-guard = Guard(Config(mode=Mode.STRICT))
+guard = Guard(Config(mode=Mode.STRICT, liveness=True))
 longest = "set_unified_key_buffer_radix_fused_norm_rope (DeepSeekV4TokenToKVPool)"  # the longest label seen
-message = guard._message(site_id(longest), 2**62)
+guard.bounds[site_id(longest)] = "(size + page_size) * _write_loc_dcp_span"  # the longest rule
+message = guard.message(site_id(longest))
 out = {"message": message}
 def build(fn, signature, constexprs, strict):
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
@@ -37,10 +38,12 @@ for loc_type, lens, live in (("i32", False, False), ("i64", False, False), ("i64
     variants[name] = (probe._oob_probe_kernel, {
         "loc_ptr": "*" + loc_type, "n": "i32", "stride": "i64", "lens_ptr": "*i32", "row_len": "i32",
         "row_stride": "i64", "high": "i64", "site": "i32", "layer": "i32", "record_ptr": "*i64",
-        "live_ptr": "*u8", "live_page": "i32"}, {"HAS_LENS": lens, "HAS_LIVE": live})
-variants["free"] = (probe._free_probe_kernel, {
-    "ids_ptr": "*i64", "n": "i32", "stride": "i64", "high": "i64", "site": "i32", "layer": "i32",
-    "record_ptr": "*i64", "live_ptr": "*u8", "live_page": "i32"}, {})
+        "scratch_ptr": "*i64", "step_ptr": "*i64", "live_ptr": "*i32", "live_page": "i32", "clean_ptr": "*" + loc_type,
+        "chunk": "i32"}, {"HAS_LENS": lens, "HAS_LIVE": live, "COPY": True})
+for exclusive in (False, True):
+    variants["free" + ("-exclusive" if exclusive else "")] = (probe._free_probe_kernel, {
+        "ids_ptr": "*i64", "n": "i32", "stride": "i64", "high": "i64", "site": "i32", "layer": "i32",
+        "record_ptr": "*i64", "step_ptr": "*i64", "live_ptr": "*i32", "live_page": "i32"}, {"EXCLUSIVE": exclusive})
 for name, (fn, signature, extra) in variants.items():
     for strict in (False, True):
         constexprs = dict(extra, ASSERT=strict, MESSAGE=message if strict else "", BLOCK=probe.PROBE_BLOCK)
@@ -49,7 +52,8 @@ for name, (fn, signature, extra) in variants.items():
             "assert": "__assertfail" in kernel.asm["ptx"],
             "message_in_cubin": message.encode()[:60] in kernel.asm["cubin"],
             "cubin_bytes": len(kernel.asm["cubin"]),
-            "byte_loads": kernel.asm["ptx"].count("ld.global.b8"),  # the shadow's flags are bytes
+            "flag_loads": kernel.asm["ptx"].count("ld.global.b32"),  # the shadow's flags are int32
+            "exchanges": kernel.asm["ptx"].count("atom.global") and kernel.asm["ptx"].count(".exch"),
         }
 print(json.dumps(out))
 """
@@ -63,12 +67,13 @@ def compiled():
 
 
 def test_assert_message_fits_cuda_limit_and_names_label_and_bound(compiled):
+    """A compile-time constant per site (not per pool size), so a pool's warm-up compiles it once."""
     message = compiled["message"]
     assert len(message.encode()) <= 255
-    assert "(DeepSeekV4TokenToKVPool)" in message and "outside [0, 4611686018427387904)" in message
+    assert "(DeepSeekV4TokenToKVPool)" in message and "outside [0, (size + page_size) * _write_loc_dcp_span)" in message
 
 
-VARIANTS = ["i32", "i64", "i64-lens", "i64-live", "free"]  # "-live": liveness; "free": the free probe
+VARIANTS = ["i32", "i64", "i64-lens", "i64-live", "free", "free-exclusive"]  # "-live": liveness; "free": the free probe
 
 
 @pytest.mark.parametrize("loc_type", VARIANTS)
@@ -83,7 +88,13 @@ def test_other_modes_compile_without_it(compiled, loc_type):
     assert not got["assert"] and not got["message_in_cubin"] and got["cubin_bytes"] > 0
 
 
-def test_liveness_is_one_byte_gather_in_the_same_kernel(compiled):
-    """HAS_LIVE adds the shadow's byte loads to the write probe; without it, none."""
-    assert compiled["i64-live"]["byte_loads"] > 0 and compiled["i64"]["byte_loads"] == 0
-    assert compiled["free"]["byte_loads"] > 0
+def test_liveness_is_one_gather_in_the_same_kernel(compiled):
+    """HAS_LIVE adds the shadow's flag loads to the write probe; without it, none."""
+    assert compiled["i64-live"]["flag_loads"] > 0 and compiled["i64"]["flag_loads"] == 0
+    assert compiled["free"]["flag_loads"] > 0
+
+
+def test_the_exclusive_free_exchanges_each_flag_atomically(compiled):
+    """Where each id owns its flag, the free reads and clears it in one atomic exchange
+    (an id freed twice in one call finds 0 the second time); the paged token free does not."""
+    assert compiled["free-exclusive"]["exchanges"] > 0 and not compiled["free"]["exchanges"]

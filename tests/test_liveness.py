@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, as_write_loc, mha, needs, paged_allocator, site_cases, token_allocator
+from helpers import SGLANG, Layer, as_write_loc, mha, needs, needs_site, paged_allocator, site_cases, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.targets import version_of_sglang
 
 SIZE = 64
 
@@ -141,8 +142,7 @@ def test_paged_allocator_tracks_whole_pages(mp, allocators, guard, backend, page
 
 
 def test_paged_free_page_ids_double_free(mp, allocators, guard):
-    if "free_page_ids" not in vars(allocators.PagedTokenToKVPoolAllocator):
-        pytest.skip("free_page_ids arrived in sglang 0.5.2x")
+    needs(allocators.PagedTokenToKVPoolAllocator, "free_page_ids", "0.5.20")
     guard("raise", liveness=True)
     pool = mha(mp, 256, 16)
     alloc = paged_allocator(allocators, pool)
@@ -169,8 +169,9 @@ def test_warn_mode_contains_a_write_to_a_freed_slot(tracked, caplog):
     bad = loc.clone()
     with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
         write(pool, bad)
-    assert bad.tolist() == [int(loc[0]), 0, int(loc[2])]  # sent to padding slot 0
+    assert torch.equal(bad, loc)  # the caller's ids are left as they were
     assert torch.equal(pool.k_buffer[3][freed], row_before)  # the freed row is untouched
+    assert pool.k_buffer[3][0].abs().sum() > 0  # the write's copy sent that token to padding slot 0
     assert "is not allocated (freed)" in caplog.text
 
 
@@ -223,7 +224,7 @@ def test_int32_ids_as_the_radix_cache_frees_them(tracked, backend):
 
 def test_restore_state_gives_back_what_was_handed_out_since_backup(tracked, allocators):
     if not hasattr(allocators.BaseTokenToKVPoolAllocator, "backup_state"):
-        pytest.skip("backup_state / restore_state left sglang in 0.5.2x")
+        pytest.skip(f"backup_state / restore_state do not exist in sglang {SGLANG} (removed in 0.5.17)")
     pool, alloc = tracked("raise")
     kept = alloc.alloc(2)
     saved = alloc.backup_state()
@@ -274,8 +275,7 @@ def test_every_upstream_site_checks_liveness(mp, allocators, guard, label):
     """MHA, MLA (set_mla_kv_buffer's DCP bound is the token-slot bound at span 1) and FP4
     pools alike: a write to a slot the allocator took back is caught before sglang's
     own write code runs."""
-    if "FP4" in label:
-        needs(mp, "MHATokenToKVPoolFP4", "0.5.8")
+    needs_site(mp, label)
     make, method, payload = site_cases(mp)[label]
     guard("raise", liveness=True)
     pool = make()
@@ -292,3 +292,79 @@ def test_freeing_the_padding_slot_is_reported(tracked, backend):
     pool, alloc = tracked("raise", backend)
     err = caught(backend, lambda: alloc.free(torch.tensor([0])))
     assert "free_index[0] = 0 is not allocated (double free)" in str(err)
+
+
+def test_an_id_freed_twice_in_one_call_is_a_double_free(tracked, backend):
+    """free(tensor([s, s])) would put s on the free list twice: two requests, one slot."""
+    pool, alloc = tracked("raise", backend)
+    loc = alloc.alloc(3)
+    twice = torch.stack([loc[1], loc[0], loc[1]])
+    err = caught(backend, lambda: alloc.free(twice))
+    assert f"free_index[2] = {int(loc[1])} is not allocated (double free)" in str(err)
+
+
+@pytest.fixture
+def paged(mp, allocators, guard):
+    """The guard with liveness on, then a real paged MHA pool (page 4) and sglang's paged allocator."""
+
+    def make(mode: str, backend: str):
+        guard(mode, backend, liveness=True)
+        pool = mha(mp, SIZE, page_size=4)
+        return pool, paged_allocator(allocators, pool)
+
+    return make
+
+
+def test_paged_token_free_takes_a_page_back_once_and_catches_it_twice(paged, backend):
+    """Several token ids of one page in one free are that page given back once (clean);
+    a token of the same page in a later free is a double free."""
+    pool, alloc = paged("raise", backend)
+    loc = alloc.alloc(8)  # two whole pages
+    alloc.free(loc[:4])  # four tokens of the first page, one call: clean
+    sglang_oobguard.check()
+    alloc.free(loc[4:8])
+    sglang_oobguard.check()
+    err = caught(backend, lambda: alloc.free(loc[1:2]))
+    assert f"free_index[0] = {int(loc[1])} is not allocated (double free)" in str(err)
+
+
+def test_a_page_id_freed_twice_in_one_call_is_a_double_free(mp, allocators, paged, backend):
+    if not hasattr(allocators.PagedTokenToKVPoolAllocator, "free_page_ids"):
+        pytest.skip(f"sglang {version_of_sglang()} has no PagedTokenToKVPoolAllocator.free_page_ids")
+    pool, alloc = paged("raise", backend)
+    page = int(alloc.alloc(4)[0]) // 4
+    err = caught(backend, lambda: alloc.free_page_ids(torch.tensor([page, page])))
+    assert f"page_ids[1] = {page} is not allocated (double free)" in str(err)
+
+
+def allocator_over(cls, kvcache, page_size=None):
+    """sglang's allocator class built as sglang's own unit tests build it, over any kvcache."""
+    import inspect
+
+    given = dict(size=SIZE, page_size=page_size, dtype=torch.float16, device="cpu", kvcache=kvcache, need_sort=False)
+    params = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in given.items() if k in params and v is not None or k == "kvcache"})
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+@pytest.mark.parametrize("kvcache", ["None", "MagicMock", "plain object"])
+def test_allocators_over_a_mock_kvcache_are_left_untracked_and_work(allocators, guard, backend, mode, kvcache, caplog):
+    """sglang's own allocator tests build allocators over `kvcache=None`, `MagicMock()`
+    or a plain object without `size`: with liveness on they run exactly as unguarded,
+    and the log names them."""
+    from unittest.mock import MagicMock
+
+    guard(mode, backend, liveness=True)
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        for cls, page_size in ((allocators.TokenToKVPoolAllocator, None), (allocators.PagedTokenToKVPoolAllocator, 4)):
+            pool = {"None": None, "MagicMock": MagicMock(), "plain object": object()}[kvcache]
+            alloc = allocator_over(cls, pool, page_size)
+            loc = alloc.alloc(8)
+            alloc.free(loc)
+            alloc.free(alloc.alloc(4))
+        sglang_oobguard.check()
+    assert sglang_oobguard.violations() == []
+    named = [r.getMessage() for r in caplog.records if "liveness not tracked for a" in r.getMessage()]
+    for cls in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"):
+        assert any(f"for a {cls}: its kvcache is a" in line and "not a sglang.srt.mem_cache.memory_pool.KVCache" in line
+                   for line in named), named

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sglang_oobguard
 from helpers import Layer, mha, token_allocator
 from sglang_oobguard import guard as guard_mod
-from sglang_oobguard import liveness, probe
+from sglang_oobguard import liveness, probe, record
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
@@ -70,7 +70,7 @@ def test_liveness_alloc_free_and_writes_issue_no_host_sync(mp, guard):
     assert "aten.index_fill_.int_Scalar" in log.ops  # the log saw the shadow's update
     with pytest.raises(sglang_oobguard.KVOutOfBoundsError, match=r"loc\[1\] = 2 is not allocated \(freed\)"):
         sglang_oobguard.check()
-    assert probe.read(pool._oobguard_state.record).calls == 2
+    assert pool._oobguard_state.record.read_now().calls == 2
 
 
 def test_host_scan_is_what_would_sync(mp):
@@ -80,14 +80,17 @@ def test_host_scan_is_what_would_sync(mp):
     assert "aten._local_scalar_dense.default" in log.ops
 
 
-HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard._poll, guard_mod.Guard._state,
-            guard_mod.make_wrapper, guard_mod._layer_id, probe.launch, guard_mod.Guard.check_free,
-            guard_mod.Guard._launched, probe.launch_free, probe.mark, liveness.make_wrapper]
+HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard.launched, guard_mod.Guard.state, guard_mod.Guard.publish,
+            guard_mod.PoolState.copy_for, guard_mod.PoolState.saw_stream, guard_mod.PoolState.after_probes,
+            guard_mod.make_wrapper, guard_mod._layer_id, guard_mod._replaced, probe.launch, probe.programs,
+            record.PoolRecord.poll, record.PoolRecord.unreported, liveness.check_free, probe.launch_free,
+            probe.mark, liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end,
+            liveness._update, liveness._counted, probe._Launcher.__call__, probe._key]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 
 def test_hot_path_source_calls_no_host_read():
-    """`.tolist()` is allowed on the mirror's numpy view alone: host memory."""
+    """`.tolist()` is allowed on the pinned mirror's numpy view alone: host memory."""
     for fn in HOT_PATH:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
         for node in ast.walk(tree):
@@ -95,6 +98,6 @@ def test_hot_path_source_calls_no_host_read():
                 name = node.func.attr
                 owner = ast.unparse(node.func.value)
                 if name in FORBIDDEN:
-                    assert (name, owner) == ("tolist", "state.mirror_view"), f"{fn.__qualname__}: {owner}.{name}()"
+                    assert (name, owner) == ("tolist", "self._mirror_view"), f"{fn.__qualname__}: {owner}.{name}()"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "bool":
                 raise AssertionError(f"{fn.__qualname__}: bool() on the hot path")

@@ -24,7 +24,7 @@ from sglang.srt.mem_cache import memory_pool as mp
 fn = mp.MHATokenToKVPool.__dict__["set_kv_buffer"]
 import sglang_oobguard.patch as p
 print(json.dumps({"wrapped": hasattr(fn, "__wrapped__"),
-                  "mode": p._guard.config.mode.value if p._guard else None}))
+                  "mode": p._active.guard.config.mode.value if p._active else None}))
 """
 
 
@@ -75,7 +75,8 @@ def test_activation_through_load_plugins(env, mode):
         assert len(active) == 1
         from importlib.metadata import version
 
-        assert re.search(rf"mode={mode}, backend=auto, [1-9][0-9]* guarded methods, sglang {version('sglang')}",
+        assert re.search(rf"mode={mode}, backend=auto \(the kernel on CUDA tensors .* one host sync per write\), "
+                         rf"[1-9][0-9]* guarded methods \(of the pool classes defined so far\), sglang {version('sglang')}",
                          active[0]), active[0]
     else:
         assert not active

@@ -9,6 +9,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_oobguard import probe
+from sglang_oobguard.record import Record, fold_host
+
+
+STEP = 5  # the step counter the kernel reads and the host folds in
+
+
+def new_record():
+    return torch.zeros(len(Record._fields), dtype=torch.int64)
+
+
+def kernel(loc, high, site, layer, record, lens=None, live=None):
+    """The kernel path (Triton's interpreter here): returns its cleaned copy; `loc` is only read."""
+    clean = torch.empty_like(loc, memory_format=torch.contiguous_format)
+    scratch = torch.tensor(probe.SCRATCH_INIT)
+    probe.launch(loc, high, site, layer, record, scratch, torch.tensor([STEP]), clean, None, lens, live)
+    assert scratch.tolist() == list(probe.SCRATCH_INIT)  # a split probe leaves its scratch as it found it
+    return clean
 
 
 def oracle(ids: list[int], high: int):
@@ -17,11 +34,12 @@ def oracle(ids: list[int], high: int):
 
 
 def host_path(loc, high, site, layer, record):
+    """The host path: returns (finding, what the write gets)."""
     finding = probe.scan_host(loc, high)
-    if finding is not None:
-        probe.fold_host(record, finding, site, layer, high, loc.numel())
-        probe.contain_host(loc, high)
-    return finding
+    if finding is None:
+        return None, loc
+    fold_host(record, finding.record(site, layer, high, loc.numel(), STEP))
+    return finding, probe.cleaned(loc, high)
 
 
 calls = st.integers(1, 4000).flatmap(
@@ -38,37 +56,56 @@ calls = st.integers(1, 4000).flatmap(
 @given(calls)
 def test_both_paths_agree_with_the_oracle_and_each_other(case):
     high, batches, dtype = case
-    host_rec, dev_rec = probe.new_record("cpu"), probe.new_record("cpu")
+    host_rec, dev_rec = new_record(), new_record()
     expected_total, expected_calls, first = 0, 0, None
     for site, ids in enumerate(batches):
         want = oracle(ids, high)
-        a = torch.tensor(ids, dtype=dtype)
-        b = a.clone()
-        found = host_path(a, high, site, 7, host_rec)
-        probe.launch(b, high, site, 7, dev_rec, None)
+        loc = torch.tensor(ids, dtype=dtype)
+        found, host_copy = host_path(loc, high, site, 7, host_rec)
+        dev_copy = kernel(loc, high, site, 7, dev_rec)
+        assert loc.tolist() == ids  # the caller's ids are never changed
         assert (None if found is None else tuple(found)) == want
-        assert torch.equal(a, b)  # identical containment
-        assert all(0 <= v < high for v in a.tolist())
+        assert torch.equal(host_copy, dev_copy)  # identical containment
+        assert dev_copy.tolist() == [v if 0 <= v < high else 0 for v in ids]
         if want:
             expected_total += want[0]
             expected_calls += 1
-            first = first or probe.Record(0, 0, site, 7, high, want[0], len(ids), want[1], want[2])
+            first = first or Record(0, 0, site, 7, high, want[0], len(ids), want[1], want[2], STEP)
     assert torch.equal(host_rec, dev_rec)
-    got = probe.read(dev_rec)
+    got = Record(*dev_rec.tolist())
     assert (got.total_bad, got.calls) == (expected_total, expected_calls)
     if first:
         assert got[2:] == first[2:]
 
 
-@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 3000])
-def test_block_edges_find_the_last_id(n):
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 3000, probe.SPLIT_ABOVE, probe.SPLIT_ABOVE + 1, 65536])
+def test_block_and_program_edges_find_the_last_id(n):
     loc = torch.zeros(n, dtype=torch.int64)
     loc[-1] = 10
-    record = probe.new_record("cpu")
-    probe.launch(loc, 10, 0, 0, record, None)
-    got = probe.read(record)
-    assert (got.bad, got.pos, got.value, got.numel) == (1, n - 1, 10, n)
+    record = new_record()
+    kernel(loc, 10, 0, 0, record)
+    got = Record(*record.tolist())
+    assert (got.calls, got.bad, got.pos, got.value, got.numel) == (1, 1, n - 1, 10, n)
     assert probe.scan_host(torch.tensor([0] * (n - 1) + [10]), 10) == probe.Finding(1, n - 1, 10)
+
+
+@pytest.mark.parametrize("n", [probe.SPLIT_ABOVE + 1, 3 * probe.SPLIT_CHUNK + 5, 65536])
+def test_a_probe_split_over_programs_folds_like_one(n):
+    """Several programs (a large prefill chunk): one call counted, the least bad position
+    and its value, whatever program found it; then a clean call adds nothing."""
+    assert probe.programs(n)[0] > 1
+    gen = torch.Generator().manual_seed(n)
+    loc = torch.randint(0, 1000, (n,), generator=gen)
+    bad_at = sorted(torch.randperm(n, generator=gen)[:7].tolist())
+    for i, at in enumerate(bad_at):
+        loc[at] = 1000 + i if i % 2 else -1 - i
+    record = new_record()
+    clean = kernel(loc, 1000, 4, 2, record)
+    want = oracle(loc.tolist(), 1000)
+    assert Record(*record.tolist()) == Record(7, 1, 4, 2, 1000, 7, n, want[1], want[2], STEP)
+    assert torch.equal(clean, probe.cleaned(loc, 1000))
+    kernel(loc.clamp(0, 999), 1000, 4, 2, record)
+    assert Record(*record.tolist()).calls == 1
 
 
 rows = st.integers(1, 600).flatmap(
@@ -91,15 +128,15 @@ def test_prefix_valid_rows_check_only_the_written_prefix(case):
     loc = torch.tensor([ids for ids, _ in batch], dtype=dtype)
     lens = torch.tensor([n for _, n in batch], dtype=torch.int32)
     want = oracle([v if j < n else 0 for ids, n in batch for j, v in enumerate(ids)], high)  # tails: a valid 0
-    a, b = loc.clone(), loc.clone()
-    found = probe.scan_host(a, high, lens)
-    record = probe.new_record("cpu")
-    probe.launch(b, high, 3, 1, record, None, lens)
+    before = loc.clone()
+    found = probe.scan_host(loc, high, lens)
+    record = new_record()
+    clean = kernel(loc, high, 3, 1, record, lens)
+    assert torch.equal(loc, before)
     assert (None if found is None else tuple(found)) == want
-    got = probe.read(record)
+    got = Record(*record.tolist())
     assert ((got.bad, got.pos, got.value) if got.calls else None) == want
-    probe.contain_host(a, high, lens)
-    assert torch.equal(a, b)
-    for i, (ids, n) in enumerate(batch):  # unwritten tails untouched, written prefixes in range
-        assert b[i, n:].tolist() == ids[n:]
-        assert all(0 <= v < high for v in b[i, :n].tolist())
+    assert torch.equal(probe.cleaned(loc, high, lens), clean)
+    for i, (ids, n) in enumerate(batch):  # unwritten tails copied as they are, written prefixes in range
+        assert clean[i, n:].tolist() == ids[n:]
+        assert all(0 <= v < high for v in clean[i, :n].tolist())

@@ -83,13 +83,21 @@ def test_an_invalid_value_never_breaks_sglangs_import(site_dir):
     assert "sglang_oobguard: invalid SGLANG_OOBGUARD_MODE='loud'" in stderr
 
 
-def test_the_wheel_ships_it_at_the_root(tmp_path):
+def test_the_wheel_ships_it_at_the_root_with_the_license_and_both_entry_points(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path), str(ROOT)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("sglang_oobguard-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read("sglang_oobguard.pth").decode() == PTH.read_text()
         assert "sglang_oobguard/autoload.py" in archive.namelist()
+        info = next(name.split("/")[0] for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
+        assert archive.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        metadata = archive.read(f"{info}/METADATA").decode()
+        assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+        entry_points = archive.read(f"{info}/entry_points.txt").decode()
+        assert "[sglang.srt.plugins]\noobguard = sglang_oobguard.plugin:load" in entry_points
+        assert "[pytest11]\noobguard = sglang_oobguard.pytest_plugin" in entry_points
+    assert (ROOT / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
 
 
 LATE = """

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, as_write_loc, needs, sglang_can_write, site_cases
+from helpers import Layer, as_write_loc, needs, needs_site, sglang_can_write, site_cases
 from sglang_oobguard import KVOutOfBoundsError
 from sglang_oobguard.report import site_label
 
@@ -32,8 +32,7 @@ def test_install_guards_the_six_upstream_sites_under_upstream_labels(mp, guard):
 def test_site_rejects_with_its_label(mp, guard, label, mode):
     """Before any of sglang's own write code runs: this holds even where that code
     cannot run on a CPU (the FP4 writes of 0.5.12)."""
-    if "FP4" in label:
-        needs(mp, "MHATokenToKVPoolFP4", "0.5.8")
+    needs_site(mp, label)
     guard(mode)
     with pytest.raises(KVOutOfBoundsError) as info:
         call(mp, label, as_write_loc(mp, torch.tensor([1, HIGH + 1, 3])))
@@ -44,7 +43,7 @@ def test_site_rejects_with_its_label(mp, guard, label, mode):
 @pytest.mark.parametrize("label", LABELS)
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_site_warn_contains_and_records(mp, guard, label, backend):
-    sglang_can_write(*site_cases(mp)[label])
+    sglang_can_write(mp, label)
     guard("warn", backend)
     pool = call(mp, label, torch.tensor([2, -1]))
     sglang_oobguard.check()  # the deferred path reports here; the host path already did

@@ -51,3 +51,12 @@ def test_unsupported_version_still_installs_and_says_so(mp, monkeypatch, caplog)
     assert sglang_oobguard.install("strict")
     lines = [r.getMessage() for r in caplog.records if r.name == "sglang_oobguard"]
     assert any("sglang 0.9.0 is outside the supported range; not guarded:" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("0.5.23", True), ("0.5.23+cu130", True), ("0.5.6rc2", True), ("0.4.10.post2", True), ("0.5.23.post1", True),
+    ("0.4.9", False), ("0.5.24", False), ("0.5.24rc1", False), ("1.0.0", False), ("unknown", False), ("", False),
+])
+def test_supported_range_reads_release_numbers(version, supported):
+    """A local build or a pre-release of a release in range is in range (no false warning)."""
+    assert is_supported(version) is supported

@@ -210,3 +210,40 @@ def test_check_reports_the_deferred_record(mp, guard):
     with pytest.raises(KVOutOfBoundsError, match=r"layer 1: 1 of 1 slot ids outside \[0, 65\): loc\[0\] = -7"):
         sglang_oobguard.check()
     sglang_oobguard.check()  # reported once
+
+
+@pytest.mark.parametrize("mode", ["warn", "raise"])
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_containment_never_changes_the_callers_ids(mp, guard, mode, backend):
+    """sglang reads out_cache_loc after the write (speculative decoding's accept moves,
+    the frees): the contained write gets a private copy, the caller's tensor stays."""
+    guard(mode, backend, poll_every=1000)
+    pool = mha(mp)
+    loc = torch.tensor([3, HIGH, 7])
+    try:
+        write(pool, loc)
+    except KVOutOfBoundsError:
+        assert mode == "raise" and backend == "auto"  # the host path raises before the write
+    assert loc.tolist() == [3, HIGH, 7]
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_a_contained_kvwriteloc_is_passed_on_as_a_copy_with_only_its_ids_replaced(mp, guard, backend, monkeypatch):
+    """Its other fields (swa_loc, the physical mark unified pools require) pass on as they are."""
+    needs(mp, "KVWriteLoc", "0.5.14")
+    guard("warn", backend)
+    pool = mha(mp)
+    given = mp.KVWriteLoc(torch.tensor([3, HIGH, 7]), swa_loc=torch.tensor([1, 2, 3]), physical=True)
+    wrapper = mp.MHATokenToKVPool.__dict__["set_kv_buffer"]  # our wrapt wrapper around sglang's method
+    original, seen = wrapper.__wrapped__, []
+
+    def spy(self, layer, loc_info, *rest, **kwargs):  # what sglang's own method receives
+        seen.append(loc_info)
+        return original(self, layer, loc_info, *rest, **kwargs)
+
+    monkeypatch.setattr(wrapper, "__wrapped__", spy)
+    write(pool, given)
+    (passed,) = seen
+    assert passed is not given and type(passed) is type(given)
+    assert passed.loc.tolist() == [3, 0, 7] and passed.swa_loc is given.swa_loc and passed.physical is True
+    assert given.loc.tolist() == [3, HIGH, 7] and given.physical is True

@@ -2,10 +2,13 @@
 
 No sgl_kernel wheel runs on a CPU (the PyPI builds need libcuda.so.1), yet sglang
 imports names from it at load time (the engine; 0.5.10's and 0.4.x's CPU write
-paths). Every name here raises NotImplementedError when called (see _standin),
-except the pure-torch CPU ops that speculative decoding on the CPU engine needs
-(spec_ops, attention_ops, speculative: each test-only, each raising for the modes it
-does not implement). Put on PYTHONPATH for test processes only, never installed.
+paths). ci/gpu-check.sh uses it on the GPU machine too: there sglang 0.5.23's pool
+modules import it under CUDA, and the real wheel (sglang-kernel 0.4.10, 373 MB) is
+too big to carry; no pool write or allocator path there calls it. Every name here
+raises NotImplementedError when called (see _standin), except the pure-torch CPU ops
+that speculative decoding on the CPU engine needs (spec_ops, attention_ops,
+speculative: each test-only, each raising for the modes it does not implement). Put
+on PYTHONPATH for test processes only, never installed.
 """
 
 from _standin import stand_in
