@@ -132,3 +132,36 @@ def test_liveness_catches_a_slot_freed_while_its_request_decodes(model, mode):
         assert f"KVOutOfBoundsError: {report}" in run.log, run.log[-3000:]
         assert run.result is None and run.returncode != 0
     assert not run.leftovers
+
+
+FAULTED = re.compile(r"oobguard_faultinject: step (\d+) token (\d+) of (\d+): out_cache_loc \d+ -> (-?\d+) "
+                     r"\(pid \d+; mode (\w+) rid (\S+) token (\d+)\)")
+
+
+@pytest.mark.parametrize("mode", ["strict", "warn"])
+def test_the_report_names_the_request_its_token_the_forward_mode_and_the_step(model, mode):
+    """The injector corrupts out_cache_loc at decode step 3 and says whose token it was;
+    the guard's report, read from the forward step's layout, names the same."""
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": mode, "OOBGUARD_FAULT": "step=3,token=1,value=high+3"})
+    (fault,) = FAULTED.findall(run.log)
+    step, token, size, value, forward, rid, index = fault
+    assert (step, token, forward) == ("3", "1", "decode")
+    where = f"step {step} ({forward}, batch {size}); request {rid} token {index}; tp 0"
+    reports = [line for line in run.log.splitlines() if f"loc[1] = {value}" in line and "(pool MHATokenToKVPool)" in line]
+    assert reports and all(where in line for line in reports), run.log[-3000:]
+    if mode == "strict":
+        assert run.result is None and run.returncode != 0
+    else:
+        assert run.returncode == 0 and run.result and len(run.result["outputs"]) == 4
+    assert not run.leftovers
+
+
+def test_one_probe_per_forward_step_not_one_per_layer(model):
+    """The tiny model has 2 layers, each writing at out_cache_loc: the guard probes the
+    step's ids once (the step check) and lets the layers' writes of the same ids pass."""
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict"}, count=True)
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    tally = run.tally(rank=0)
+    assert tally["steps"] > 10 and tally["writes"] == 2 * tally["steps"], tally  # L = 2 writes per step
+    assert tally["probes"] == tally["steps"], tally  # one probe per step, where L = 2 were made before
+    assert not run.leftovers

@@ -36,9 +36,10 @@ class Run:
     counts: dict[int, dict] = field(default_factory=dict)  # pid -> the fault plugin's tally (count=True)
 
     def tally(self, rank: int) -> dict[str, int]:
-        """Writes, moves and frees that rank's scheduler made (all its processes summed)."""
+        """Writes, moves and frees that rank's scheduler made, the guard's write probes
+        and the forward steps that wrote KV (all its processes summed)."""
         mine = [c for c in self.counts.values() if c["rank"] == rank]
-        return {kind: sum(c[kind] for c in mine) for kind in ("writes", "moves", "frees")}
+        return {kind: sum(c[kind] for c in mine) for kind in ("writes", "moves", "frees", "probes", "steps")}
 
 
 def engine_env(extra: dict[str, str]) -> dict[str, str]:

@@ -26,7 +26,9 @@ wrapper goes on at the first forward, outside the guard's.
 its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer`
 (writes), `MHATokenToKVPool.move_kv_cache` (moves) and
 `TokenToKVPoolAllocator.free` with ids (frees), the methods the guard wraps with
-liveness on; with the guard active, every call counted went through its wrapper.
+liveness on (with the guard active, every call counted went through its wrapper), the
+guard's own write probes (`sglang_oobguard.probe.scan_host` and `launch`: probes) and
+the forwards that write KV (steps).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 
 _count = 0
 _moves = 0
-_tally = {"writes": 0, "moves": 0, "frees": 0}
+_tally = {"writes": 0, "moves": 0, "frees": 0, "probes": 0, "steps": 0}
 _rank = {"rank": None}
 _allocators: dict[int, object] = {}  # id(KV pool) -> its model runner's allocator
 _move_wrapped = []
@@ -71,6 +73,15 @@ def _selected(spec: dict[str, str], runner, batch) -> bool:
     return "forward" not in spec or batch.forward_mode.name.lower() == spec["forward"]
 
 
+def _whose(batch, token: int) -> str:
+    """The request a decode token belongs to, as the test reads it back from the report."""
+    rids = getattr(batch, "rids", None)
+    mode = batch.forward_mode.name.lower()
+    seq_lens = getattr(batch, "seq_lens_cpu", None)
+    index = int(seq_lens[token]) - 1 if mode == "decode" and seq_lens is not None else None
+    return f"mode {mode} rid {rids[token] if rids else None} token {index}"
+
+
 def _free_one(allocator, loc, token: int, what: str, step: int) -> None:
     allocator.free(loc[token:token + 1].clone())
     print(f"oobguard_faultinject: step {step} token {token} of {loc.numel()}: {what} {int(loc[token])} freed "
@@ -97,8 +108,10 @@ def _forward(wrapped, instance, args, kwargs):
                 bad[token] = value
                 batch.out_cache_loc = bad
                 print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc {before} -> "
-                      f"{value} (pid {os.getpid()})", file=sys.stderr, flush=True)
+                      f"{value} (pid {os.getpid()}; {_whose(batch, token)})", file=sys.stderr, flush=True)
         _count += 1
+    if loc is not None and loc.numel():
+        _tally["steps"] += 1
     _rank["rank"] = _tp_rank(instance)
     _allocators[id(instance.token_to_kv_pool)] = instance.token_to_kv_pool_allocator
     if spec.get("site") == "move" and not _move_wrapped:
@@ -156,6 +169,14 @@ def _patch_pool(module) -> None:
         wrapt.wrap_function_wrapper(module, "MHATokenToKVPool.move_kv_cache", _counter("moves"))
 
 
+def _patch_probe(module) -> None:
+    """Count the guard's write probes (host scans and kernel launches) as it calls them."""
+    import wrapt
+
+    for name in ("scan_host", "launch"):
+        wrapt.wrap_function_wrapper(module, name, _counter("probes"))
+
+
 def _patch_allocator(module) -> None:
     import wrapt
 
@@ -171,3 +192,5 @@ def load() -> None:
     wrapt.register_post_import_hook(_patch_runner, "sglang.srt.model_executor.model_runner")
     wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
     wrapt.register_post_import_hook(_patch_allocator, "sglang.srt.mem_cache.allocator.token")
+    if os.environ.get("OOBGUARD_COUNT"):
+        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probe")
