@@ -165,3 +165,18 @@ def test_one_probe_per_forward_step_not_one_per_layer(model):
     assert tally["steps"] > 10 and tally["writes"] == 2 * tally["steps"], tally  # L = 2 writes per step
     assert tally["probes"] == tally["steps"], tally  # one probe per step, where L = 2 were made before
     assert not run.leftovers
+
+
+def test_intel_amx_decode_writes_kv_inside_attention_and_the_step_check_sees_it(model):
+    """On intel_amx, decode writes K/V inside its attention op, never through a pool
+    method: only the forward step's check of out_cache_loc sees those ids."""
+    clean = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict"}, options=("amx",), count=True)
+    assert clean.returncode == 0 and clean.result and "outputs" in clean.result, clean.log[-3000:]
+    tally = clean.tally(rank=0)
+    assert tally["writes"] < 2 * tally["steps"] and tally["probes"] == tally["steps"], tally  # decode wrote no pool method
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", "OOBGUARD_FAULT": "step=3,token=1,value=high+3"},
+                     options=("amx",))
+    assert len(injected(run)) == 1, run.log[-3000:]
+    assert (f"KVOutOfBoundsError: out_cache_loc (forward step): 1 of 4 slot ids outside [0, {POOL_HIGH}): "
+            f"loc[1] = {POOL_HIGH + 3} (pool MHATokenToKVPool); step 3 (decode, batch 4)") in run.log, run.log[-3000:]
+    assert run.result is None and run.returncode != 0 and not run.leftovers

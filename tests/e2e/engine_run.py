@@ -3,7 +3,7 @@ greedily for a few concurrent prompts, print one JSON line, shut down. The promp
 tokenized as one batch, so they are prefilled together and token i of every decode
 step belongs to request i on every run.
 
-    python tests/e2e/engine_run.py MODEL_DIR [batch|radix] [eagle|ngram] [tp=2]
+    python tests/e2e/engine_run.py MODEL_DIR [batch|radix] [amx|eagle|ngram] [tp=2]
 
 `radix`: the liveness workload instead: 44 prompts on 4 shared prefixes, the radix
 cache on, a pool of 384 slots (so finished prefixes are evicted to make room) and
@@ -46,7 +46,9 @@ WORKLOADS = {
 def engine_options(model: str, workload: str, extra: list[str]) -> dict:
     options = {**ENGINE, **WORKLOADS[workload][1]}
     for arg in extra:
-        if arg in SPEC:
+        if arg == "amx":  # plain decoding on intel_amx: its decode op writes K/V itself
+            options.update(attention_backend="intel_amx", mem_fraction_static=0.3)
+        elif arg in SPEC:
             options.update(SPEC[arg], attention_backend="intel_amx", mem_fraction_static=0.3)
             if arg == "eagle":
                 options["speculative_draft_model_path"] = model
@@ -58,7 +60,7 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(map(str, range(options["tp_size"]))))
             os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
         else:
-            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected eagle, ngram or tp=N")
+            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram or tp=N")
     return options
 
 
