@@ -9,6 +9,8 @@ step belongs to request i on every run.
 cache on, a pool of 384 slots (so finished prefixes are evicted to make room) and
 32-token prefill chunks.
 
+`amx`: plain decoding on the `intel_amx` backend (same platform fact and stand-ins as
+below), whose decode op writes K/V itself, outside the pool methods.
 `eagle` / `ngram`: speculative decoding, greedy, the tiny model as its own EAGLE
 draft (topk 1). Both need the `intel_amx` attention backend (torch_native has no
 verify path), which sglang replaces by torch_native on a CPU without AMX unless the
