@@ -112,8 +112,9 @@ class Guard:
         self.step_site = site_id(STEP_LABEL)
         self.bounds[self.step_site] = "size + page_size"
         # Within one forward step (or one graph capture), the ids objects already probed
-        # on a pool: (pool, bound, region, ids, lens, live) -> (ids, what the write got).
-        self._memo: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # on a pool: (pool, bound, region, ids, lens, live) -> (ids, what the write got,
+        # whether that is a copy in the pool's buffer).
+        self._memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self._capturing = False
 
     def configure(self, config: Config) -> None:
@@ -144,11 +145,11 @@ class Guard:
         if self._memo_on(loc):
             key = (id(pool), high, region, id(loc), id(lens), live is not None)
             hit = self._memo.get(key)
-            if hit is not None and hit[0] is loc and (hit[1] is loc or state.copied_for[region] is loc):
+            if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for[region] is loc):
                 return hit[1]
         passed = self._probe(state, site, region, loc, high, layer, lens, live)
-        if key is not None:
-            self._memo[key] = (loc, passed)
+        if key is not None:  # a copy in the pool's buffer serves only while no other ids overwrote it
+            self._memo[key] = (loc, passed, passed is not loc and not self.on_host(loc))
         return passed
 
     def _memo_on(self, loc: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, mha
+from helpers import Layer, as_write_loc, mha
 from sglang_oobguard import KVOutOfBoundsError, probe
 
 LAYERS, HIGH = 4, 65
@@ -32,7 +32,7 @@ def runner(mp, monkeypatch):
         def layers(self, batch, *args, **kwargs):
             k = torch.ones(batch.out_cache_loc.numel(), 2, 4)
             for layer in range(LAYERS):
-                self.token_to_kv_pool.set_kv_buffer(Layer(layer), mp.KVWriteLoc(batch.out_cache_loc), k, k)
+                self.token_to_kv_pool.set_kv_buffer(Layer(layer), as_write_loc(mp, batch.out_cache_loc), k, k)
             return "output"
 
         monkeypatch.setattr(hooked, "__wrapped__", layers)
@@ -176,3 +176,16 @@ def test_fused_rope_kv_store_warn_contains_into_a_copy_and_logs(guard, monkeypat
     (args,) = reached
     assert args[7].tolist() == [3, 0, 5] and loc.tolist() == [3, -1, 5]
     assert "apply_rope_inplace_with_kvcache (fused RoPE + KV store): 1 of 3 slot ids outside [0, 65): loc[1] = -1" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_a_contained_step_is_reported_once_not_once_per_layer(mp, guard, runner, backend):
+    """The layers' writes of the step's ids get the step check's cleaned copy: one
+    violating call per step, whichever path made the copy."""
+    guard("warn", backend)
+    run = runner(mha(mp))
+    for _ in range(3):
+        run.forward(decode_batch(torch.tensor([1, HIGH + 2, 3])))
+    sglang_oobguard.check()
+    (v,) = sglang_oobguard.violations()
+    assert v.calls == 3
