@@ -84,15 +84,17 @@ EXCEPTION = re.compile(r"^\[[^\]]* TP(\d)\] Scheduler hit an exception", re.M)
 
 
 def test_a_bad_id_on_one_rank_is_reported_by_that_rank(model):
-    """rank 1 alone writes at a too-high slot id: rank 1's scheduler reports it (the
-    report naming the rank is the step guard's issue); rank 0 reports nothing."""
+    """rank 1 alone writes at a too-high slot id: rank 1's scheduler reports it, and the
+    report names the rank (with the step and the request); rank 0 reports nothing."""
     run = run_engine(model, {**STRICT_LIVE, "OOBGUARD_FAULT": "step=3,token=1,value=high+3,rank=1"},
                      options=("tp=2",), count=True)
     (injected,) = [line for line in run.log.splitlines() if line.startswith("oobguard_faultinject: step")]
     assert f"(pid {ranks(run)[1]})" in injected
     assert [int(rank) for rank in EXCEPTION.findall(run.log)] == [1], run.log[-3000:]
-    report = "KVOutOfBoundsError: set_kv_buffer (MHA) layer 0: 1 of 4 slot ids outside [0, 2049): loc[1] = 2052"
-    assert run.log.count(report) == 1 and run.log.index(report) > EXCEPTION.search(run.log).start()
+    report = re.compile(r"KVOutOfBoundsError: [^\n]*1 of 4 slot ids outside \[0, 2049\): loc\[1\] = 2052 "
+                        r"\(pool MHATokenToKVPool\); step \d+ \(decode, batch 4\); request \S+ token \d+; tp 1\b")
+    found = report.findall(run.log)
+    assert len(found) == 1 and run.log.index(found[0]) > EXCEPTION.search(run.log).start(), run.log[-3000:]
     assert run.result is None and run.returncode != 0 and not run.leftovers
 
 
