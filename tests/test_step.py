@@ -127,6 +127,19 @@ def test_each_step_of_a_contained_write_gets_the_cleaned_copy_and_the_batch_is_u
     assert torch.equal(pool.k_buffer[0][HIGH - 1], last_row)
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_a_contained_step_is_reported_once_not_once_per_layer(mp, guard, runner, backend):
+    """The layers' writes of the step's ids get the step check's cleaned copy: one
+    violating call per step, whichever path made the copy."""
+    guard("warn", backend)
+    run = runner(mha(mp))
+    for _ in range(3):
+        run.forward(decode_batch(torch.tensor([1, HIGH + 2, 3])))
+    sglang_oobguard.check()
+    (v,) = sglang_oobguard.violations()
+    assert v.calls == 3
+
+
 # -- the fused RoPE + KV store: a writer that no pool method sees ------------------
 
 def rope_module():
