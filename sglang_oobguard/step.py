@@ -54,11 +54,29 @@ def _lengths(batch: Any, mode: str, size: int) -> tuple[Optional[list], Optional
     return None, None
 
 
+def _ranks(runner: Any) -> str:
+    """"tp 1, pp 0, dp 0": from the model runner (0.4.x .. 0.5.1x), else from sglang's
+    runtime context (0.5.2x keeps the ranks there); a rank neither knows is left out."""
+    sources = [runner]
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        sources.append(get_parallel())
+    except Exception:  # an older release: the runner is all there is
+        pass
+    found = {}
+    for name in ("tp", "pp", "dp"):
+        value = next((getattr(src, f"{name}_rank", None) for src in sources
+                      if isinstance(getattr(src, f"{name}_rank", None), int)), None)
+        if value is not None:
+            found[name] = value
+    return ", ".join(f"{name} {value}" for name, value in found.items())
+
+
 def layout(step: int, runner: Any, batch: Any) -> Layout:
     mode = getattr(getattr(batch, "forward_mode", None), "name", "unknown").lower()
     size = int(getattr(batch, "batch_size", 0) or 0)
-    ranks = ", ".join(f"{name} {getattr(runner, name + '_rank')}" for name in ("tp", "pp", "dp")
-                      if isinstance(getattr(runner, name + "_rank", None), int))
+    ranks = _ranks(runner)
     counts, firsts = _lengths(batch, mode, size)
     return Layout(step, mode, size, ranks, getattr(batch, "rids", None), getattr(batch, "req_pool_indices", None),
                   counts, firsts)

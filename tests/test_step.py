@@ -127,6 +127,19 @@ def test_each_step_of_a_contained_write_gets_the_cleaned_copy_and_the_batch_is_u
     assert torch.equal(pool.k_buffer[0][HIGH - 1], last_row)
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_a_contained_step_is_reported_once_not_once_per_layer(mp, guard, runner, backend):
+    """The layers' writes of the step's ids get the step check's cleaned copy: one
+    violating call per step, whichever path made the copy."""
+    guard("warn", backend)
+    run = runner(mha(mp))
+    for _ in range(3):
+        run.forward(decode_batch(torch.tensor([1, HIGH + 2, 3])))
+    sglang_oobguard.check()
+    (v,) = sglang_oobguard.violations()
+    assert v.calls == 3
+
+
 # -- the fused RoPE + KV store: a writer that no pool method sees ------------------
 
 def rope_module():
@@ -149,13 +162,28 @@ def fused_call(rope, loc, rows=HIGH):
     rope.apply_rope_with_cos_sin_cache_inplace(q, k, cos_sin, torch.arange(n), is_neox=True, fused_args=args)
 
 
-@pytest.mark.parametrize("bad", [HIGH + 2, -1])
-def test_fused_rope_kv_store_raises_before_the_kernel_in_strict(guard, bad, monkeypatch):
+@pytest.fixture
+def fused_kernel(monkeypatch):
+    """The fused RoPE + KV module with its CUDA kernel (a JIT build, no CPU one) replaced,
+    under the guard's wrapper, by a test-only recorder of the arguments it would get."""
     rope = rope_module()
-    guard("strict")
-    wrapper = rope.__dict__["apply_rope_inplace_with_kvcache"]
-    reached = []
-    monkeypatch.setattr(wrapper, "__wrapped__", lambda *a, **k: reached.append(a))  # the CUDA kernel: test-only stand-in
+    reached: list[tuple] = []
+
+    def recorder(*args, **kwargs):
+        """Test-only: stands in for the CUDA kernel, which cannot run here; records its call."""
+        reached.append(args)
+
+    def make(guard, mode: str):
+        guard(mode)
+        monkeypatch.setattr(rope.__dict__["apply_rope_inplace_with_kvcache"], "__wrapped__", recorder)
+        return rope, reached
+
+    return make
+
+
+@pytest.mark.parametrize("bad", [HIGH + 2, -1])
+def test_fused_rope_kv_store_raises_before_the_kernel_in_strict(guard, fused_kernel, bad):
+    rope, reached = fused_kernel(guard, "strict")
     with pytest.raises(KVOutOfBoundsError, match=rf"^apply_rope_inplace_with_kvcache \(fused RoPE \+ KV store\): "
                                                  rf"1 of 3 slot ids outside \[0, {HIGH}\): loc\[1\] = {bad}"):
         fused_call(rope, torch.tensor([3, bad, 5]))
@@ -164,28 +192,11 @@ def test_fused_rope_kv_store_raises_before_the_kernel_in_strict(guard, bad, monk
     assert len(reached) == 1  # a clean call goes on to the kernel
 
 
-def test_fused_rope_kv_store_warn_contains_into_a_copy_and_logs(guard, monkeypatch, caplog):
-    rope = rope_module()
-    guard("warn")
-    wrapper = rope.__dict__["apply_rope_inplace_with_kvcache"]
-    reached = []
-    monkeypatch.setattr(wrapper, "__wrapped__", lambda *a, **k: reached.append(a))  # the CUDA kernel: test-only stand-in
+def test_fused_rope_kv_store_warn_contains_into_a_copy_and_logs(guard, fused_kernel, caplog):
+    rope, reached = fused_kernel(guard, "warn")
     loc = torch.tensor([3, -1, 5])
     with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
         fused_call(rope, loc)
     (args,) = reached
     assert args[7].tolist() == [3, 0, 5] and loc.tolist() == [3, -1, 5]
     assert "apply_rope_inplace_with_kvcache (fused RoPE + KV store): 1 of 3 slot ids outside [0, 65): loc[1] = -1" in caplog.text
-
-
-@pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_a_contained_step_is_reported_once_not_once_per_layer(mp, guard, runner, backend):
-    """The layers' writes of the step's ids get the step check's cleaned copy: one
-    violating call per step, whichever path made the copy."""
-    guard("warn", backend)
-    run = runner(mha(mp))
-    for _ in range(3):
-        run.forward(decode_batch(torch.tensor([1, HIGH + 2, 3])))
-    sglang_oobguard.check()
-    (v,) = sglang_oobguard.violations()
-    assert v.calls == 3
