@@ -104,7 +104,7 @@ def test_a_bad_id_on_one_rank_is_reported_by_that_rank(model):
 # NGRAM: the first target slot of the accepted drafts' KV move (`move_kv_cache`).
 DRAFT_FAULTS = {
     "eagle": ("step=2,token=1,value=freed,forward=target_verify", "out_cache_loc",
-              r"set_kv_buffer \(MHA\) layer 0: loc\[1\] = {slot} is not allocated \(freed\)"),
+              r"out_cache_loc \(forward step\): loc\[1\] = {slot} is not allocated \(freed\)"),
     "ngram": ("site=move,step=2,token=0,value=freed", "move_kv_cache tgt_loc",
               r"move_kv_cache tgt_loc\b[^:]*: loc\[0\] = {slot} is not allocated \(freed\)"),
 }

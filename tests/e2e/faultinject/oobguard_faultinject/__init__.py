@@ -44,6 +44,7 @@ _tally = {"writes": 0, "moves": 0, "frees": 0, "probes": 0, "steps": 0}
 _rank = {"rank": None}
 _allocators: dict[int, object] = {}  # id(KV pool) -> its model runner's allocator
 _move_wrapped = []
+_outer: list[bool] = []  # `_forward` is on, outermost
 
 
 def _spec() -> dict[str, str]:
@@ -156,9 +157,19 @@ def _move(wrapped, instance, args, kwargs):
 
 
 def _patch_runner(module) -> None:
+    """Wrap ModelRunner.forward so that the fault reaches the forward batch before the
+    guard's forward-step hook sees it, as a bug upstream of the forward would: the
+    first call (the guard's hook is on by then) puts `_forward` outermost."""
     import wrapt
 
-    wrapt.wrap_function_wrapper(module, "ModelRunner.forward", _forward)
+    def first(wrapped, instance, args, kwargs):
+        if not _outer:
+            _outer.append(True)
+            wrapt.wrap_function_wrapper(module, "ModelRunner.forward", _forward)
+            return _forward(wrapped, instance, args, kwargs)
+        return wrapped(*args, **kwargs)
+
+    wrapt.wrap_function_wrapper(module, "ModelRunner.forward", first)
 
 
 def _patch_pool(module) -> None:
