@@ -175,9 +175,9 @@ def run_engine_story() -> int:
     ok &= bool(run.result) and "outputs" in run.result
 
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "raise", "OOBGUARD_FAULT": f"{_STEPS},value=high+3"})
-    print(f"3. SGLANG_OOBGUARD_MODE=raise: stopped before the write, the scheduler log names it all (exit "
-          f"{run.returncode}):\n   {_first(run.log, 'KVOutOfBoundsError:')}")
-    ok &= "KVOutOfBoundsError: set_kv_buffer (MHA) layer 0" in run.log and not run.leftovers
+    print(f"3. SGLANG_OOBGUARD_MODE=raise: stopped before any layer ran, the scheduler log names it all, down to "
+          f"the request (exit {run.returncode}):\n   {_first(run.log, 'KVOutOfBoundsError:')}")
+    ok &= "KVOutOfBoundsError: out_cache_loc (forward step)" in run.log and "request " in run.log and not run.leftovers
 
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", "OOBGUARD_FAULT": f"{_STEPS},value=-1"})
     served = bool(run.result) and all(len(t) == 16 for t in run.result.get("outputs", []))
