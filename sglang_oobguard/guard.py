@@ -347,7 +347,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                 checked = check(instance, site, region, loc, high(instance), lambda: _layer_id(args, kwargs, found), lens)
                 if checked is not loc:
                     passed = checked if value is loc else dataclasses.replace(value, loc=checked)
-                    args, kwargs = _replaced(args, kwargs, position, name, given, passed)
+                    args, kwargs = replaced(args, kwargs, position, name, given, passed)
         except KVOutOfBoundsError:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked
@@ -362,7 +362,8 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     return wrapper
 
 
-def _replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
+def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
+    """The call's arguments with one replaced (positional when it was given so)."""
     if given:
         return (*args[:position], value, *args[position + 1:]), kwargs
     return args, {**kwargs, name: value}

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from .guard import NAME_ATTR, SITES_ATTR, Guard, _replaced
+from .guard import NAME_ATTR, SITES_ATTR, Guard, replaced
 from .report import KVOutOfBoundsError, site_id
 from .targets import Writer
 
@@ -47,7 +47,7 @@ def make_writer_wrapper(writer: Writer, guard: Guard) -> Callable[..., Any]:
                     holder = holders[loc.device, rows] = WriterSite(writer, rows, site)
                 checked = guard.check_write(holder, site, 0, loc, rows, lambda: -1)
                 if checked is not loc:
-                    args, kwargs = _replaced(args, kwargs, ids_at, ids_name, given, checked)
+                    args, kwargs = replaced(args, kwargs, ids_at, ids_name, given, checked)
         except KVOutOfBoundsError:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked

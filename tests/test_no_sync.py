@@ -82,7 +82,7 @@ def test_host_scan_is_what_would_sync(mp):
 
 HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard.launched, guard_mod.Guard.state, guard_mod.Guard.publish,
             guard_mod.PoolState.copy_for, guard_mod.PoolState.saw_stream, guard_mod.PoolState.after_probes,
-            guard_mod.make_wrapper, guard_mod._layer_id, guard_mod._replaced, probe.launch, probe.programs,
+            guard_mod.make_wrapper, guard_mod._layer_id, guard_mod.replaced, probe.launch, probe.programs,
             record.PoolRecord.poll, record.PoolRecord.unreported, liveness.check_free, probe.launch_free,
             probe.mark, liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end,
             liveness._update, liveness._counted, probe._Launcher.__call__, probe._key]
