@@ -147,9 +147,10 @@ class Guard:
             hit = self._memo.get(key)
             if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for[region] is loc):
                 return hit[1]
-        passed = self._probe(state, site, region, loc, high, layer, lens, live)
+        host = self.on_host(loc)
+        passed = self._probe(state, site, region, loc, high, layer, lens, live, host)
         if key is not None:  # a copy in the pool's buffer serves only while no other ids overwrote it
-            self._memo[key] = (loc, passed, passed is not loc and not self.on_host(loc))
+            self._memo[key] = (loc, passed, passed is not loc and not host)
         return passed
 
     def _memo_on(self, loc: torch.Tensor) -> bool:
@@ -162,8 +163,9 @@ class Guard:
         return capturing or self.steps.open
 
     def _probe(self, state: PoolState, site: int, region: int, loc: torch.Tensor, high: int,
-               layer: Callable[[], int], lens: Optional[torch.Tensor], live: Optional[probe.Live]) -> torch.Tensor:
-        if self.on_host(loc):
+               layer: Callable[[], int], lens: Optional[torch.Tensor], live: Optional[probe.Live],
+               host: bool) -> torch.Tensor:
+        if host:
             finding = probe.scan_host(loc, high, lens, live)
             if finding is None:
                 return loc
