@@ -94,11 +94,11 @@ def _outside_pools() -> list[str]:
     lines = ["forward step (one check of out_cache_loc per step, reports at step boundaries):",
              f"  {STEP_HOOK.owner + '.' + STEP_HOOK.method:48} "
              f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
-             "fused writers (KV stores outside the pool methods, checked against their buffer's rows):"]
+             "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]
     for writer in FUSED_WRITERS:
         states = [found(module, "", writer.function) for module in writer.modules]
         here = next((state for state in states if state.startswith("found")), states[0])
-        lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.rows[1]}.shape[0]): {here}")
+        lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}")
     return lines
 
 

@@ -104,7 +104,8 @@ class Instrumentor:
     def _wrap_writer(self, module: ModuleType, writer: Any) -> None:
         if writer.function in module.__dict__ and not any(p.owner is module and p.name == writer.function
                                                           for p in self.patches):
-            self._wrap(module, writer.function, make_writer_wrapper(writer, self.guard))
+            self._wrap(module, writer.function,
+                       make_writer_wrapper(writer, self.guard, module.__dict__[writer.function]))
 
     def guard_classes(self, entries: list[Union[Found, Skipped]]) -> list[str]:
         """Wrap every Found; returns the Skipped that a reader should know of (a method

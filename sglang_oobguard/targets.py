@@ -161,18 +161,45 @@ class Writer:
     ids it takes itself. Looked up by sglang at call time in `module` (its callers
     reach it through that module's globals), so it is wrapped there."""
 
-    modules: tuple[str, ...]  # where it lives, newest release first
+    modules: tuple[str, ...]  # where sglang looks it up, newest release first
     function: str
     ids: Ids  # position among the function's arguments
-    rows: tuple[int, str]  # the argument whose rows the ids index: the bound is its shape[0]
+    rows: tuple[int, str]  # the argument whose rows the ids index: the bound is its shape[0] ...
     label: str
+    per_row: Optional[tuple[int, str]] = None  # ... times this argument (ids per row: a page's tokens)
 
+    @property
+    def bound(self) -> str:
+        rows = f"{self.rows[1]}.shape[0]"
+        return rows if self.per_row is None else f"{rows} * {self.per_row[1]}"
+
+
+_DSA_INDEXER = ("sglang.srt.layers.attention.dsa.dsa_indexer", "sglang.srt.layers.attention.nsa.nsa_indexer")
+_TRTLLM_MLA = ("sglang.srt.layers.attention.trtllm_mla_backend",)
 
 FUSED_WRITERS = (
     # The fused RoPE + KV store (Qwen3-MoE, bailing/Ling, LLaDA2, SDAR, ... with bf16 KV on
     # CUDA): the attention backend then runs with save_kv_cache=False, no pool method writes.
     Writer(("sglang.kernels.ops.attention.rope", "sglang.jit_kernel.rope"), "apply_rope_inplace_with_kvcache",
            Ids(7, ("out_loc",)), (3, "k_cache"), "apply_rope_inplace_with_kvcache (fused RoPE + KV store)"),
+    # trtllm_mha with FP8 KV (the SM100 default then): imported inside the backend's method,
+    # so looked up in its own module at every call.
+    Writer(("sglang.kernels.ops.kvcache.fused_fp8_qkv_kv_cache",), "fused_fp8_qkv_kv_cache",
+           Ids(5, ("cache_loc",)), (3, "k_cache"), "fused_fp8_qkv_kv_cache (trtllm_mha FP8 K/V store)"),
+    Writer(("sglang.srt.layers.attention.trtllm_mha_backend",), "fused_fp8_set_kv_buffer",  # its 0.5.10 - 0.5.12 form
+           Ids(4, ("cache_loc",)), (2, "k_cache"), "fused_fp8_set_kv_buffer (trtllm_mha FP8 K/V store)"),
+    # The DSA (NSA before 0.5.13) indexer's index-K store, every DeepSeek-V3.2 / GLM-5 layer:
+    # token ids into a buffer of pages.
+    Writer(_DSA_INDEXER, "fused_store_index_k_cache", Ids(2, ("out_cache_loc",)), (1, "index_k_with_scale"),
+           "fused_store_index_k_cache (DSA indexer K store)", per_row=(3, "page_size")),
+    Writer(_DSA_INDEXER, "fused_k_indexer_norm_rope_store", Ids(2, ("out_cache_loc",)), (1, "cache"),
+           "fused_k_indexer_norm_rope_store (DSA indexer K norm + RoPE + store)", per_row=(8, "page_size")),
+    # trtllm_mla's decode: the KV row scatter fused with the q concat (DeepSeek-V3/R1, Kimi-K2
+    # on SM100). Under decode context parallelism the fp8 one takes virtual ids, row * ranks.
+    Writer(_TRTLLM_MLA, "set_mla_kv_concat_q", Ids(1, ("loc",)), (0, "kv_buffer"),
+           "set_mla_kv_concat_q (trtllm_mla fused KV scatter)"),
+    Writer(_TRTLLM_MLA, "set_mla_kv_concat_q_fp8", Ids(1, ("loc",)), (0, "kv_buffer"),
+           "set_mla_kv_concat_q_fp8 (trtllm_mla fused FP8 KV scatter)", per_row=(7, "dcp_world_size")),
 )
 
 

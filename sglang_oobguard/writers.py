@@ -2,12 +2,13 @@
 looks it up (`targets.FUSED_WRITERS`). A fused writer takes its own ids and indexes
 the rows of a buffer it is given, so its bound is that buffer's height; it gets the
 same probe, memo and containment as a pool method, keyed on a `WriterSite` per
-writer and buffer height. (The step check of out_cache_loc covers these writers
+writer and bound. (The step check of out_cache_loc covers these writers
 too; this names the writer, and contains what it is handed.)
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -19,33 +20,42 @@ from .targets import Writer
 
 class WriterSite:
     """What the guard keeps a record and a copy buffer on, for one writer writing into
-    buffers of one height (a pool's layers share it)."""
+    buffers of one bound (a pool's layers share it)."""
 
     page_size = 0
 
-    def __init__(self, writer: Writer, rows: int, site: int) -> None:
-        self.size = rows  # the copy buffer's height: one id per row at most
+    def __init__(self, writer: Writer, bound: int, site: int) -> None:
+        self.size = bound  # the copy buffer's height: one id per slot at most
         self.__dict__[NAME_ATTR] = writer.function
         self.__dict__[SITES_ATTR] = {site: False}
 
 
-def make_writer_wrapper(writer: Writer, guard: Guard) -> Callable[..., Any]:
+def _argument(args: tuple, kwargs: dict, at: int, name: str, default: Any = None) -> Any:
+    return args[at] if len(args) > at else kwargs.get(name, default)
+
+
+def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` is the writer being wrapped: its signature gives `per_row`'s default."""
     site = site_id(writer.label)
-    guard.bounds[site] = f"{writer.rows[1]}.shape[0]"
+    guard.bounds[site] = writer.bound
     (ids_at, ids_name), (rows_at, rows_name) = (writer.ids.position, writer.ids.names[0]), writer.rows
+    per_row_default = None if writer.per_row is None else \
+        inspect.signature(function).parameters[writer.per_row[1]].default
     holders: dict[tuple[torch.device, int], WriterSite] = {}
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         try:
             given = len(args) > ids_at
-            loc = args[ids_at] if given else kwargs.get(ids_name)
-            buffer = args[rows_at] if len(args) > rows_at else kwargs.get(rows_name)
+            loc = _argument(args, kwargs, ids_at, ids_name)
+            buffer = _argument(args, kwargs, rows_at, rows_name)
             if isinstance(loc, torch.Tensor) and isinstance(buffer, torch.Tensor):
-                rows = int(buffer.shape[0])
-                holder = holders.get((loc.device, rows))
+                bound = int(buffer.shape[0])
+                if writer.per_row is not None:
+                    bound *= int(_argument(args, kwargs, *writer.per_row, per_row_default))
+                holder = holders.get((loc.device, bound))
                 if holder is None:
-                    holder = holders[loc.device, rows] = WriterSite(writer, rows, site)
-                checked = guard.check_write(holder, site, 0, loc, rows, lambda: -1)
+                    holder = holders[loc.device, bound] = WriterSite(writer, bound, site)
+                checked = guard.check_write(holder, site, 0, loc, bound, lambda: -1)
                 if checked is not loc:
                     args, kwargs = replaced(args, kwargs, ids_at, ids_name, given, checked)
         except KVOutOfBoundsError:

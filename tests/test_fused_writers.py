@@ -1,0 +1,118 @@
+"""The fused writers of targets.FUSED_WRITERS besides the RoPE + KV store (test_step.py):
+trtllm_mha's FP8 K/V store, the DSA indexer's index-K store, trtllm_mla's fused scatter.
+Each is called through the real sglang module where sglang looks it up, with its real
+signature; only its CUDA kernel (a JIT build with no CPU one) is replaced, under the
+guard's wrapper, by a recorder."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from types import ModuleType
+from typing import Any, Optional
+
+import pytest
+import torch
+
+import sglang_oobguard
+from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.targets import FUSED_WRITERS, Writer
+
+ROWS = 5
+PER_ROW = {"page_size": 64, "dcp_world_size": 2}  # what the bound multiplies the rows by
+CASES = [w for w in FUSED_WRITERS if w.function != "apply_rope_inplace_with_kvcache"]
+
+
+def home(writer: Writer) -> Optional[ModuleType]:
+    """The module this sglang looks the writer up in, if it has one here."""
+    for name in writer.modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if writer.function in vars(module):
+            return module
+    return None
+
+
+@pytest.fixture
+def writer_call(guard, monkeypatch):
+    """(call, reached) for a writer under the guard: call(loc) passes loc and a buffer of
+    ROWS rows (pages) at the writer's own positions, the rest None."""
+
+    def make(writer: Writer, mode: str, backend: str = "auto"):
+        module = home(writer)
+        if module is None:
+            pytest.skip(f"this sglang has no {writer.function} in {' or '.join(writer.modules)} "
+                        "(or defines it only on CUDA)")
+        guard(mode, backend=backend)
+        wrapped = vars(module)[writer.function]
+        assert hasattr(wrapped, "__wrapped__"), f"the guard did not wrap {writer.function} in {module.__name__}"
+        names = list(inspect.signature(wrapped.__wrapped__).parameters)
+        assert names[writer.ids.position] == writer.ids.names[0], (names, writer.ids)
+        assert names[writer.rows[0]] == writer.rows[1], (names, writer.rows)
+        if writer.per_row:
+            assert names[writer.per_row[0]] == writer.per_row[1], (names, writer.per_row)
+        reached: list[tuple] = []
+
+        def recorder(*args, **kwargs):
+            """Test-only: stands in for the CUDA kernel, which cannot run here; records its call."""
+            reached.append(args)
+
+        monkeypatch.setattr(wrapped, "__wrapped__", recorder)
+
+        def call(loc: torch.Tensor) -> None:
+            args: list[Any] = [None] * len(names)
+            args[writer.ids.position] = loc
+            args[writer.rows[0]] = torch.zeros(ROWS, 4)
+            if writer.per_row:
+                args[writer.per_row[0]] = PER_ROW[writer.per_row[1]]
+            vars(module)[writer.function](*args)  # as sglang calls it: the module's global
+
+        return call, reached
+
+    return make
+
+
+def bound_of(writer: Writer) -> int:
+    return ROWS * (PER_ROW[writer.per_row[1]] if writer.per_row else 1)
+
+
+@pytest.mark.parametrize("writer", CASES, ids=lambda w: w.function)
+def test_strict_raises_before_the_kernel_naming_the_writer(writer_call, writer):
+    call, reached = writer_call(writer, "strict")  # the host scan: on a GPU strict traps in the kernel
+    high = bound_of(writer)
+    with pytest.raises(KVOutOfBoundsError) as info:
+        call(torch.tensor([1, high, 2]))
+    text = str(info.value)
+    assert text.startswith(f"{writer.label}: 1 of 3 slot ids outside [0, {high}): loc[1] = {high}"), text
+    assert not reached
+    call(torch.tensor([0, high - 1]))  # the last slot of the bound is in it
+    assert len(reached) == 1
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("writer", CASES, ids=lambda w: w.function)
+def test_warn_contains_into_a_copy_and_logs(writer_call, writer, backend, caplog):
+    call, reached = writer_call(writer, "warn", backend)
+    loc = torch.tensor([3, -1, 4])
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        call(loc)
+        sglang_oobguard.check()  # the kernel path's record is read at a check point (a step's end)
+    (args,) = reached
+    assert args[writer.ids.position].tolist() == [3, 0, 4]
+    assert loc.tolist() == [3, -1, 4]  # the caller's ids are never changed
+    assert f"{writer.label}: 1 of 3 slot ids outside [0, {bound_of(writer)}): loc[1] = -1" in caplog.text
+
+
+def test_doctor_lists_every_fused_writer_with_its_bound_and_whether_this_sglang_has_it():
+    from helpers import run_python
+
+    proc = run_python("import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['doctor']))", {})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.split("fused writers (", 1)[1].splitlines()[1:1 + len(FUSED_WRITERS)]
+    for writer, line in zip(FUSED_WRITERS, lines):
+        assert line.split()[0] == writer.function and f"{writer.ids.names[0]} in [0, {writer.bound})" in line, line
+        module = home(writer)
+        assert f"found in {module.__name__}" in line if module else ("ABSENT" in line or "not importable" in line), line
