@@ -121,6 +121,61 @@ def write_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def step_rows(quick: bool) -> list[dict]:
+    """One decode step through sglang's ModelRunner.forward under the guard's step hook
+    (the model replaced by a loop that writes each layer's KV at out_cache_loc through
+    the real pool): the probes it makes against the same writes outside a step (each
+    probed, as before the step check), and the step's time against the loop unguarded."""
+    import sglang_oobguard
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang_oobguard import probe
+
+    rows = []
+    for layers in (1, 80):
+        pool = MHATokenToKVPool(SIZE, PAGE, torch.bfloat16, HEADS, DIM, layers, "cpu", False)
+        run = ModelRunner.__new__(ModelRunner)  # no model loaded: only what the step hook reads
+        run.token_to_kv_pool, run.tp_rank, run.pp_rank, run.dp_rank = pool, 0, 0, 0
+        batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=16, input_ids=torch.zeros(16, dtype=torch.int64),
+                             req_pool_indices=torch.arange(16), seq_lens=torch.full((16,), 9), seq_lens_sum=144,
+                             out_cache_loc=torch.randperm(SIZE)[:16] + 1)
+        batch.seq_lens_cpu, batch.rids = batch.seq_lens.clone(), [f"r{i}" for i in range(16)]
+        k = torch.randn(16, HEADS, DIM, dtype=torch.bfloat16)
+        ids = [Layer() for _ in range(layers)]
+        for i, layer in enumerate(ids):
+            layer.layer_id = i
+
+        def model(self, forward_batch, *args, **kwargs) -> None:
+            for layer in ids:
+                self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, k)
+
+        hooks = []
+
+        def guarded() -> None:  # the guard's step hook, as sglang's forward runs it
+            sglang_oobguard.install("strict")
+            hooks[:] = [ModelRunner.__dict__["forward"]._self_wrapper]
+
+        guarded()
+        probes, real = [], probe.scan_host
+        probe.scan_host = lambda *a, **kw: probes.append(1) or real(*a, **kw)
+        try:
+            model(run, batch)  # the layers' writes outside a step: each probed, as before the step check
+            before = len(probes)
+            hooks[0](lambda b: model(run, b), run, (batch,), {})
+        finally:
+            probe.scan_host = real
+        steps = {"unguarded": lambda: model(run, batch),
+                 "guarded": lambda: hooks[0](lambda b: model(run, b), run, (batch,), {})}
+        samples = per_call_us(steps, 3 if quick else 20, 2 if quick else 15,
+                              {"unguarded": sglang_oobguard.uninstall, "guarded": guarded})
+        sglang_oobguard.uninstall()
+        rows.append({"layers": layers, "probes_before": before, "probes": len(probes) - before,
+                     **{name: statistics.median(v) for name, v in samples.items()},
+                     "step_x": ratio(samples, "guarded", "unguarded")})
+    return rows
+
+
 OFF_PROBE = """
 import json, shutil, site, sys, tempfile, time
 before = set(sys.modules)
@@ -182,6 +237,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = write_rows(args.quick)
+    steps = step_rows(args.quick)
     off = off_rows(args.quick)
     import sglang
 
@@ -197,6 +253,14 @@ def main() -> int:
               f"| {r['upstream']:.1f} us | {r['upstream_x']:.2f}x | {r['both']:.1f} us | {r['both_x']:.2f}x "
               f"| {r['live']:.1f} us | {verdict(r['live_x'], 1.10) if r['n'] == 1 else format(r['live_x'], '.2f') + 'x'} "
               f"| {r['ours']:.2f} us | {r['theirs']:.2f} us | {verdict(r['probe_x'], 0.35)} |")
+    print("\nOne decode step (16 tokens) through sglang's ModelRunner.forward under the step hook, each layer "
+          "writing its KV at out_cache_loc through the real pool: probes per step, one per guarded write before "
+          "the step check, and the step's time.\n")
+    print("| layers | probes per step, before | after | step unguarded | guarded (strict) | ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in steps:
+        print(f"| {r['layers']} | {r['probes_before']} | {r['probes']} | {r['unguarded']:.0f} us | {r['guarded']:.0f} us "
+              f"| {r['step_x']:.2f}x |")
     print(f"\nOff (no variable set), in fresh interpreters: the entry point's load() takes "
           f"{off['load_ms'] * 1000:.1f} us (target < 200 us); importing its module first takes "
           f"{off['import_ms']:.2f} ms (an editable install, no bytecode cache). Modules imported beyond the "
