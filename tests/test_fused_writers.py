@@ -39,7 +39,8 @@ def home(writer: Writer) -> Optional[ModuleType]:
 @pytest.fixture
 def writer_call(guard, monkeypatch):
     """(call, reached) for a writer under the guard: call(loc) passes loc and a buffer of
-    ROWS rows (pages) at the writer's own positions, the rest None."""
+    ROWS rows (pages) at the writer's own positions, the rest None; reached holds the
+    arguments the kernel got, by name."""
 
     def make(writer: Writer, mode: str, backend: str = "auto"):
         module = home(writer)
@@ -54,21 +55,22 @@ def writer_call(guard, monkeypatch):
         assert names[writer.rows[0]] == writer.rows[1], (names, writer.rows)
         if writer.per_row:
             assert names[writer.per_row[0]] == writer.per_row[1], (names, writer.per_row)
-        reached: list[tuple] = []
+        reached: list[dict[str, Any]] = []
 
         def recorder(*args, **kwargs):
             """Test-only: stands in for the CUDA kernel, which cannot run here; records its call."""
-            reached.append(args)
+            reached.append({**dict(zip(names, args)), **kwargs})
 
         monkeypatch.setattr(wrapped, "__wrapped__", recorder)
 
-        def call(loc: torch.Tensor) -> None:
+        def call(loc: torch.Tensor, keywords: bool = False) -> None:
             args: list[Any] = [None] * len(names)
             args[writer.ids.position] = loc
             args[writer.rows[0]] = torch.zeros(ROWS, 4)
             if writer.per_row:
                 args[writer.per_row[0]] = PER_ROW[writer.per_row[1]]
-            vars(module)[writer.function](*args)  # as sglang calls it: the module's global
+            function = vars(module)[writer.function]  # as sglang calls it: the module's global
+            function(**dict(zip(names, args))) if keywords else function(*args)
 
         return call, reached
 
@@ -92,16 +94,18 @@ def test_strict_raises_before_the_kernel_naming_the_writer(writer_call, writer):
     assert len(reached) == 1
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("backend, keywords", [("auto", False), ("triton", False), ("auto", True)])
 @pytest.mark.parametrize("writer", CASES, ids=lambda w: w.function)
-def test_warn_contains_into_a_copy_and_logs(writer_call, writer, backend, caplog):
+def test_warn_contains_into_a_copy_and_logs(writer_call, writer, backend, keywords, caplog):
+    """Positional, and by keyword as sglang calls some of them (fused_fp8_qkv_kv_cache,
+    set_mla_kv_concat_q): the kernel gets the copy either way."""
     call, reached = writer_call(writer, "warn", backend)
     loc = torch.tensor([3, -1, 4])
     with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
-        call(loc)
+        call(loc, keywords)
         sglang_oobguard.check()  # the kernel path's record is read at a check point (a step's end)
-    (args,) = reached
-    assert args[writer.ids.position].tolist() == [3, 0, 4]
+    (got,) = reached
+    assert got[writer.ids.names[0]].tolist() == [3, 0, 4]
     assert loc.tolist() == [3, -1, 4]  # the caller's ids are never changed
     assert f"{writer.label}: 1 of 3 slot ids outside [0, {bound_of(writer)}): loc[1] = -1" in caplog.text
 
