@@ -90,7 +90,10 @@ class Instrumentor:
             self._hook_step(module)
         for writer in FUSED_WRITERS:
             if module.__name__ in writer.modules:
-                self._wrap_writer(module, writer)
+                try:
+                    self._wrap_writer(module, writer)
+                except Exception as exc:  # one writer that does not fit leaves the others guarded
+                    self.guard.internal_error(f"wrapping {writer.function}", exc)
 
     def _hook_step(self, module: ModuleType) -> None:
         owner = getattr(module, STEP_HOOK.owner, None)
