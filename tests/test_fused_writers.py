@@ -37,6 +37,23 @@ def home(writer: Writer) -> Optional[ModuleType]:
     return None
 
 
+# Writers that sglang imports into the module it calls them from only on CUDA (dsa_indexer's
+# `if _is_cuda:` block), and the module that defines them.
+CUDA_ONLY = {"fused_k_indexer_norm_rope_store": "sglang.kernels.ops.attention.dsa.indexer_k"}
+
+
+def imported_on_cuda(writer: Writer, monkeypatch) -> None:
+    """Do on the CPU what the calling module's `if _is_cuda:` import does: its global
+    names the defining module's function (before install, as on a GPU machine)."""
+    for name in writer.modules:
+        try:
+            caller, defining = importlib.import_module(name), importlib.import_module(CUDA_ONLY[writer.function])
+        except Exception:
+            continue
+        monkeypatch.setattr(caller, writer.function, getattr(defining, writer.function), raising=False)
+        return
+
+
 @pytest.fixture
 def writer_call(guard, monkeypatch):
     """(call, reached) for a writer under the guard: call(loc) passes loc and a buffer of
@@ -44,6 +61,8 @@ def writer_call(guard, monkeypatch):
     arguments the kernel got, by name."""
 
     def make(writer: Writer, mode: str, backend: str = "auto"):
+        if writer.function in CUDA_ONLY and home(writer) is None:
+            imported_on_cuda(writer, monkeypatch)
         module = home(writer)
         if module is None:
             pytest.skip(f"this sglang has no {writer.function} in {' or '.join(writer.modules)} "
