@@ -17,6 +17,7 @@ releases of the matrix). Wrapping it gives the guard a step boundary:
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any, NamedTuple, Optional
 
@@ -73,10 +74,9 @@ def _ranks(runner: Any) -> str:
     return ", ".join(f"{name} {value}" for name, value in found.items())
 
 
-def layout(step: int, runner: Any, batch: Any) -> Layout:
+def layout(step: int, ranks: str, batch: Any) -> Layout:
     mode = getattr(getattr(batch, "forward_mode", None), "name", "unknown").lower()
     size = int(getattr(batch, "batch_size", 0) or 0)
-    ranks = _ranks(runner)
     counts, firsts = _lengths(batch, mode, size)
     return Layout(step, mode, size, ranks, getattr(batch, "rids", None), getattr(batch, "req_pool_indices", None),
                   counts, firsts)
@@ -90,6 +90,7 @@ class Steps:
         self.depth = 0  # forward steps in progress (a nested forward counts as its own step)
         self._counters: dict[torch.device, torch.Tensor] = {}
         self._layouts: deque[Layout] = deque(maxlen=LAYOUTS_KEPT)
+        self._ranks: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()  # a process's ranks stay
 
     @property
     def open(self) -> bool:
@@ -109,7 +110,10 @@ class Steps:
         for counter in self._counters.values():
             if not (counter.is_cuda and capturing):
                 counter.fill_(self.number)
-        self._layouts.append(layout(self.number, runner, batch))
+        ranks = self._ranks.get(runner)
+        if ranks is None:
+            ranks = self._ranks[runner] = _ranks(runner)
+        self._layouts.append(layout(self.number, ranks, batch))
         return self._layouts[-1]
 
     def end(self) -> None:
