@@ -191,8 +191,8 @@ class Guard:
         once against the pool it targets (its copy serves the layers' writes)."""
         self.steps.begin(runner, batch)
         self._memo.clear()
-        for state in list(self.states):
-            self.publish(state, state.record.poll())
+        for state in list(self.states):  # the copy the last step's end started (step_end starts the next)
+            self.publish(state, state.record.poll(restart=False))
         loc = getattr(batch, "out_cache_loc", None)
         if isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size"):
             self.check_write(pool, self.step_site, 0, loc, pool.size + pool.page_size, lambda: -1)

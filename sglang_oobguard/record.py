@@ -55,16 +55,19 @@ class PoolRecord:
         self._pending = False  # a mirror copy was enqueued and not read yet
         self.reported = 0  # violating calls already reported
 
-    def poll(self) -> Optional[Record]:
-        """The record as of the last landed mirror copy, then start the next copy.
-        Never waits: an unfinished copy is left for the next poll; None when nothing
-        new can be read yet (and under graph capture, when no copy may be enqueued)."""
+    def poll(self, restart: bool = True) -> Optional[Record]:
+        """The record as of the last landed mirror copy, then (restart) start the next
+        copy; a step boundary leaves that to the step's end. Never waits: an unfinished
+        copy is left for the next poll; None when nothing new can be read yet (and
+        under graph capture, when no copy may be enqueued)."""
         if self._copied is not None and torch.cuda.is_current_stream_capturing():
             return None
         if self._pending and self._copied is not None and not self._copied.query():
             return None
         landed = Record(*self._mirror_view.tolist()) if self._pending else None
-        self.start_copy()
+        self._pending = False
+        if restart:
+            self.start_copy()
         return landed
 
     def start_copy(self) -> None:
