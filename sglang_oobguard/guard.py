@@ -339,7 +339,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
         try:
-            lens = None if lens_at is None else _arg(args, kwargs, lens_at, "commit_lens")
+            lens = None if lens_at is None else argument(args, kwargs, lens_at, "commit_lens")
             for region, position, name, high, site in specs:
                 given = len(args) > position
                 value = args[position] if given else kwargs.get(name)
@@ -371,8 +371,9 @@ def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, v
     return args, {**kwargs, name: value}
 
 
-def _arg(args: tuple, kwargs: dict, position: int, name: str) -> Any:
-    return args[position] if len(args) > position else kwargs.get(name)
+def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """One argument of a wrapped call, given by position or by name."""
+    return args[position] if len(args) > position else kwargs.get(name, default)
 
 
 def _layer_id(args: tuple, kwargs: dict, found: Found) -> int:
@@ -384,7 +385,7 @@ def _layer_id(args: tuple, kwargs: dict, found: Found) -> int:
         return int(override)
     if found.layer_name is None or found.rule.layer is None:
         return -1
-    layer = _arg(args, kwargs, found.rule.layer, found.layer_name)
+    layer = argument(args, kwargs, found.rule.layer, found.layer_name)
     layer_id = layer if isinstance(layer, int) else getattr(layer, "layer_id", None)
     return -1 if layer_id is None else int(layer_id)
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .guard import NAME_ATTR, SITES_ATTR, Guard, replaced
+from .guard import NAME_ATTR, SITES_ATTR, Guard, argument, replaced
 from .report import KVOutOfBoundsError, site_id
 from .targets import Writer
 
@@ -30,10 +30,6 @@ class WriterSite:
         self.__dict__[SITES_ATTR] = {site: False}
 
 
-def _argument(args: tuple, kwargs: dict, at: int, name: str, default: Any = None) -> Any:
-    return args[at] if len(args) > at else kwargs.get(name, default)
-
-
 def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` is the writer being wrapped: its signature gives `per_row`'s default."""
     site = site_id(writer.label)
@@ -46,12 +42,12 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         try:
             given = len(args) > ids_at
-            loc = _argument(args, kwargs, ids_at, ids_name)
-            buffer = _argument(args, kwargs, rows_at, rows_name)
+            loc = argument(args, kwargs, ids_at, ids_name)
+            buffer = argument(args, kwargs, rows_at, rows_name)
             if isinstance(loc, torch.Tensor) and isinstance(buffer, torch.Tensor):
                 bound = int(buffer.shape[0])
                 if writer.per_row is not None:
-                    bound *= int(_argument(args, kwargs, *writer.per_row, per_row_default))
+                    bound *= int(argument(args, kwargs, *writer.per_row, per_row_default))
                 holder = holders.get((loc.device, bound))
                 if holder is None:
                     holder = holders[loc.device, bound] = WriterSite(writer, bound, site)
