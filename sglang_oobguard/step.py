@@ -67,11 +67,20 @@ def _ranks(runner: Any) -> str:
         pass
     found = {}
     for name in ("tp", "pp", "dp"):
-        value = next((getattr(src, f"{name}_rank", None) for src in sources
-                      if isinstance(getattr(src, f"{name}_rank", None), int)), None)
+        value = next((value for value in (_rank(src, name) for src in sources) if value is not None), None)
         if value is not None:
             found[name] = value
     return ", ".join(f"{name} {value}" for name, value in found.items())
+
+
+def _rank(source: Any, name: str) -> Optional[int]:
+    """One rank, or None: sglang's runtime context raises RuntimeError for a rank not
+    written in this process, which must not cost the step its check."""
+    try:
+        value = getattr(source, f"{name}_rank", None)
+    except Exception:
+        return None
+    return value if isinstance(value, int) else None
 
 
 def layout(step: int, ranks: str, batch: Any) -> Layout:
@@ -90,7 +99,7 @@ class Steps:
         self.depth = 0  # forward steps in progress (a nested forward counts as its own step)
         self._counters: dict[torch.device, torch.Tensor] = {}
         self._layouts: deque[Layout] = deque(maxlen=LAYOUTS_KEPT)
-        self._ranks: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()  # a process's ranks stay
+        self._ranks: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
     @property
     def open(self) -> bool:
@@ -110,11 +119,19 @@ class Steps:
         for counter in self._counters.values():
             if not (counter.is_cuda and capturing):
                 counter.fill_(self.number)
-        ranks = self._ranks.get(runner)
-        if ranks is None:
-            ranks = self._ranks[runner] = _ranks(runner)
-        self._layouts.append(layout(self.number, ranks, batch))
+        self._layouts.append(layout(self.number, self._ranks_of(runner), batch))
         return self._layouts[-1]
+
+    def _ranks_of(self, runner: Any) -> str:
+        """Read once per runner (a process's ranks stay); a runner that cannot be a
+        weak key (no __weakref__, unhashable) is read every step instead."""
+        try:
+            ranks = self._ranks.get(runner)
+            if ranks is None:
+                ranks = self._ranks[runner] = _ranks(runner)
+            return ranks
+        except TypeError:
+            return _ranks(runner)
 
     def end(self) -> None:
         self.depth -= 1

@@ -99,6 +99,18 @@ def test_the_report_names_the_request_token_mode_step_and_ranks(mp, guard, runne
     assert str(info.value).endswith("(pool MHATokenToKVPool); step 1 (decode, batch 3); request r1 token 8; tp 1, pp 0, dp 0")
 
 
+def test_ranks_sglang_never_wrote_do_not_cost_the_step_its_check(mp, guard, runner):
+    """0.5.2x's runtime context raises RuntimeError for a rank not written in this
+    process (a runner that knows only its tp rank, outside a launched server)."""
+    guard("strict")
+    run = runner(mha(mp))
+    del run.pp_rank, run.dp_rank
+    with pytest.raises(KVOutOfBoundsError) as info:
+        run.forward(decode_batch(torch.tensor([4, -1, 6])))
+    assert info.value.violation.label == "out_cache_loc (forward step)"  # not a layer's write: the step check ran
+    assert info.value.violation.ranks.startswith("tp 1")
+
+
 def test_a_deferred_violation_is_reported_at_the_next_step_boundary(mp, guard, runner, caplog):
     """The GPU path (the kernel, forced on CPU tensors): the record is read at the step
     boundary, not by a later write; the report still names the step it came from."""
