@@ -140,3 +140,12 @@ def test_doctor_lists_every_fused_writer_with_its_bound_and_whether_this_sglang_
         assert line.split()[0] == writer.function and f"{writer.ids.names[0]} in [0, {writer.bound})" in line, line
         module = home(writer)
         assert f"found in {module.__name__}" in line if module else ("ABSENT" in line or "not importable" in line), line
+
+
+def test_the_table_holds_every_fused_writer_that_sglang_calls_outside_the_pool_methods():
+    """The writers read from sglang's source (0.5.10 - 0.5.23) that take their own ids:
+    dropping one from the table would drop its tests above with it, so it is named here."""
+    read_from_sglang = {"apply_rope_inplace_with_kvcache", "fused_fp8_qkv_kv_cache", "fused_fp8_set_kv_buffer",
+                        "fused_store_index_k_cache", "fused_k_indexer_norm_rope_store", "set_mla_kv_concat_q",
+                        "set_mla_kv_concat_q_fp8"}
+    assert read_from_sglang <= {writer.function for writer in FUSED_WRITERS}
