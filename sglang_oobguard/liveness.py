@@ -230,7 +230,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         finding = probe.scan_free(ids, high, live)
         contained = None
         if finding is not None:  # strict and raise: raised before the allocator took the ids
-            guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number))
+            guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True))
             contained = probe.live_only(ids, high, live)
         probe.release_host(ids, high, live)
         return contained

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton import knobs as _knobs
 
-from .record import OFFSET, Record
+from .record import OFFSET, Kind, Record
 
 # Below this many ids a Python list beats a torch reduction on the host path.
 _HOST_LIST_MAX = 32
@@ -40,9 +40,11 @@ class Finding(NamedTuple):
     pos: int
     value: int
 
-    def record(self, site: int, layer: int, high: int, numel: int, step: int) -> Record:
+    def record(self, site: int, layer: int, high: int, numel: int, step: int, free: bool = False) -> Record:
         """This call as a record of its own (what `record.fold_host` folds in)."""
-        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value, step)
+        outside = self.value < 0 or self.value >= high
+        kind = Kind.BOUNDS if outside else (Kind.DOUBLE_FREE if free else Kind.FREED)
+        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value, step, kind)
 
 
 class Live(NamedTuple):
@@ -189,6 +191,10 @@ _NUMEL = tl.constexpr(OFFSET["numel"])
 _POS = tl.constexpr(OFFSET["pos"])
 _VALUE = tl.constexpr(OFFSET["value"])
 _STEP = tl.constexpr(OFFSET["step"])
+_KIND = tl.constexpr(OFFSET["kind"])
+_ROW = tl.constexpr(OFFSET["row"])
+_EXPECTED = tl.constexpr(OFFSET["expected"])
+_OWNER = tl.constexpr(OFFSET["owner"])
 _NO_POS = tl.constexpr(2**62)  # "no bad id": above any position
 # The per-call scratch of a probe split over several programs (one such probe at a
 # time per pool): summed bad ids, the least bad position, and the ticket that elects
@@ -205,7 +211,7 @@ def _tally(bad, wide, offs, bad_count, first_pos, first_val):
 
 @triton.jit
 def _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr,
-              ASSERT: tl.constexpr, MESSAGE: tl.constexpr):
+              ASSERT: tl.constexpr, MESSAGE: tl.constexpr, IN_RANGE_KIND: tl.constexpr):
     """Assert (strict on a GPU), then fold one call into the record with atomics, so
     probes on several streams neither lose counts nor mix two first violations: the
     call that takes `calls` from 0 writes the details, with the step number it reads
@@ -224,6 +230,12 @@ def _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr,
     tl.store(record_ptr + _POS, pos, mask=first)
     tl.store(record_ptr + _VALUE, value, mask=first)
     tl.store(record_ptr + _STEP, tl.load(step_ptr, mask=first, other=-1), mask=first)
+    outside = (value < 0) | (value >= high)
+    tl.store(record_ptr + _KIND, tl.where(outside, 0, IN_RANGE_KIND).to(tl.int64), mask=first)
+    none = tl.full([], -1, tl.int64)
+    tl.store(record_ptr + _ROW, none, mask=first)
+    tl.store(record_ptr + _EXPECTED, none, mask=first)
+    tl.store(record_ptr + _OWNER, none, mask=first)
 
 
 @triton.jit
@@ -283,7 +295,7 @@ def _oob_probe_kernel(
     pos = tl.min(first_pos, axis=0)
     if tl.num_programs(0) == 1:
         value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
-        _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE)
+        _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE, 1)
     else:
         tl.atomic_add(scratch_ptr + 0, total)
         tl.atomic_min(scratch_ptr + 1, pos)
@@ -294,7 +306,7 @@ def _oob_probe_kernel(
             tl.atomic_xchg(scratch_ptr + 2, 0)
             at = _id_ptrs(loc_ptr, tl.minimum(pos, n - 1), stride, row_len, row_stride, HAS_LENS)
             value = tl.load(at, mask=total > 0, other=0).to(tl.int64)
-            _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE)
+            _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE, 1)
 
 
 class _Launcher:
@@ -411,7 +423,7 @@ def _free_probe_kernel(
     total = tl.sum(bad_count, axis=0)
     pos = tl.min(first_pos, axis=0)
     value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
-    _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE)
+    _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE, 2)
     if not EXCLUSIVE:
         tl.debug_barrier()  # every flag read above before any is cleared below
         for start in range(0, n, BLOCK):
