@@ -122,19 +122,19 @@ def direct_probe(device: str) -> Callable[[torch.Tensor, bool], Callable[[], Non
     """Our kernel called directly, in strict form, for the probe-alone rows. The only
     code here that knows `probe`'s internals (record, shadow, launch's signature):
     everything else goes through the public API."""
-    from sglang_oobguard import probe
+    from sglang_oobguard import kernels as probe, shadow
     from sglang_oobguard.record import PoolRecord
 
     record = PoolRecord(torch.device(device)).tensor
     scratch = torch.tensor(probe.SCRATCH_INIT, dtype=torch.int64, device=device)
     step = torch.zeros(1, dtype=torch.int64, device=device)
-    live = probe.new_live(HIGH, 1, torch.device(device))
+    live = shadow.new_live(HIGH, 1, torch.device(device))
     live.flags.fill_(1)
     message = "sglang_oobguard: set_kv_buffer (MHA): KV slot id outside [0, size + page_size)"
 
     def make(loc: torch.Tensor, with_live: bool) -> Callable[[], None]:
-        shadow = live if with_live else None
-        return lambda: probe.launch(loc, HIGH, 0, 0, record, scratch, step, None, message, live=shadow)
+        return lambda: probe.launch(loc, HIGH, 0, 0, record, scratch, step, None, message,
+                                    live=live if with_live else None)
 
     return make
 
@@ -175,7 +175,7 @@ def probe_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
 def split_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
     """Large prefill chunks: the probe as one program walking every id, against the
     split over several programs that fold with atomics (probe.SPLIT_ABOVE), in a graph."""
-    from sglang_oobguard import probe
+    from sglang_oobguard import kernels as probe, shadow
 
     make = direct_probe(device)
     rows = []

@@ -11,8 +11,8 @@ from importlib import import_module
 __all__ = ["install", "uninstall", "is_installed", "check", "violations",
            "KVOutOfBoundsError", "ConfigError", "Violation"]
 
-_LAZY = {name: ".patch" for name in ("install", "uninstall", "is_installed", "check", "violations")}
-_LAZY.update(KVOutOfBoundsError=".report", Violation=".report", ConfigError=".config")
+_LAZY = {name: ".instrument" for name in ("install", "uninstall", "is_installed", "check", "violations")}
+_LAZY.update(KVOutOfBoundsError=".report", Violation=".violation", ConfigError=".config")
 
 
 def __getattr__(name: str):

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from . import patch
+from . import instrument
 from .config import LIVENESS_VAR
 from .discover import Found
 from .quiet import Captured, quiet
-from .report import KVOutOfBoundsError, logger
+from .log import logger
+from .report import KVOutOfBoundsError
 
 SIZE, PAGE = 64, 1
 HIGH = SIZE + PAGE
@@ -82,7 +83,7 @@ def _story(said: Captured) -> int:
         print(f"   torch: {type(exc).__name__}: {str(exc).splitlines()[0]}")
         print("   (on a GPU: an illegal memory access, reported far from its cause, or silence)")
 
-    guarded = sum(isinstance(entry, Found) for entry in patch.install("raise"))
+    guarded = sum(isinstance(entry, Found) for entry in instrument.install("raise"))
     try:
         print(f"\n3. Guarded (SGLANG_OOBGUARD_MODE=raise: {guarded} guarded methods, those of the pool classes "
               "sglang has defined so far), the same -1 batch:")
@@ -96,8 +97,8 @@ def _story(said: Captured) -> int:
         print(f"   rows written: {rows or 'none'}  <- rejected before anything was written")
         ok &= rows == []
 
-        patch.uninstall()
-        patch.install("warn")
+        instrument.uninstall()
+        instrument.install("warn")
         print("\n4. Guarded (SGLANG_OOBGUARD_MODE=warn), slots [5, 6, -1, 70]: contained, logged, served:")
         pool = _pool()
         _write(pool, [5, 6, -1, HIGH + 5])
@@ -107,19 +108,19 @@ def _story(said: Captured) -> int:
         logged = said.messages(logger.name, logging.WARNING)
         print(f"   logged: {logged[-1] if logged else 'nothing'}")
         ok &= bool(logged)
-        print(f"   sglang_oobguard.violations(): {[str(v) for v in patch.violations()]}")
+        print(f"   sglang_oobguard.violations(): {[str(v) for v in instrument.violations()]}")
         ok &= _liveness_story()
     finally:
-        patch.uninstall()
+        instrument.uninstall()
         os.environ.pop(LIVENESS_VAR, None)
     print("\nDemo " + ("finished as described." if ok else "did NOT behave as described."))
     return 0 if ok else 1
 
 
 def _liveness_story() -> bool:
-    patch.uninstall()
+    instrument.uninstall()
     os.environ[LIVENESS_VAR] = "1"
-    patch.install("raise")
+    instrument.install("raise")
     print(f"\n5. {LIVENESS_VAR}=1 (raise): sglang's allocator hands out 3 slots and takes the last one back;\n"
           "   a stale write to it is in range, so no bound check can see it:")
     pool = _pool()

@@ -1,9 +1,10 @@
-"""Discovery: the KV write methods that the installed sglang's pool classes define.
+"""Discovery: what the installed sglang defines that the targets' rules cover.
 
 Walks the subclasses of memory_pool's `KVCache` (whatever modules have defined them
 so far), takes each method a class defines in its own `__dict__` whose name is a
 write method's, and resolves it against `targets`: a `Found` site to guard, or a
 `Skipped` one with the reason. Inherited methods are guarded where they are defined.
+The tracked allocators' methods are found the same way (`allocator_targets`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
-from .report import site_id
-from .targets import WRITE_METHOD, Rule, label_for, rule_for
+from .targets import (ALLOCATOR_BASE, ALLOCATOR_METHODS, ALLOCATOR_MODULE, BASE_CLASS, MEMORY_POOL,
+                      TRACKED_ALLOCATORS, WRITE_METHOD, Role, Rule, label_for, rule_for)
+from .violation import site_id
 
 # Modules that define pools outside memory_pool; `doctor` imports them to show the
 # whole picture (the guard itself waits for sglang to import them: see patch).
@@ -161,3 +163,47 @@ def import_pool_modules() -> dict[str, str]:
             except Exception as exc:  # an optional backend's module: say so and go on
                 failed[info.name] = f"{type(exc).__name__}: {exc}"
     return failed
+
+
+def base_class() -> Union[type, str]:
+    """memory_pool's KVCache, or why it cannot be had."""
+    try:
+        return getattr(importlib.import_module(MEMORY_POOL), BASE_CLASS)
+    except (ImportError, AttributeError) as exc:
+        return f"{MEMORY_POOL}.{BASE_CLASS} is not importable: {type(exc).__name__}: {exc}"
+
+
+def coverage() -> Union[list[Union[Found, Skipped]], str]:
+    """Every write method of the pool classes defined so far: Found, or Skipped with why."""
+    base = base_class()
+    return base if isinstance(base, str) else discover(base)
+
+
+@dataclass(frozen=True)
+class AllocatorMethod(Method):
+    """One allocator method to wrap (where it is defined) and what it does."""
+
+    original: Callable[..., Any]
+    role: Role
+
+
+def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
+    """The methods of the tracked allocator classes, each where it is defined, and
+    the names of the allocator classes that are not tracked; or why there are none."""
+    try:
+        base = getattr(importlib.import_module(ALLOCATOR_MODULE), ALLOCATOR_BASE)
+    except (ImportError, AttributeError) as exc:
+        return f"{ALLOCATOR_MODULE}.{ALLOCATOR_BASE} is not importable: {type(exc).__name__}: {exc}"
+    classes = [cls for cls in pool_classes(base) if cls is not base]
+    tracked = [cls for cls in classes if cls.__name__ in TRACKED_ALLOCATORS]
+    methods: dict[tuple[type, str], AllocatorMethod] = {}
+    for cls in tracked:
+        for name, role in ALLOCATOR_METHODS.items():
+            owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+            if owner is None or (owner, name) in methods:
+                continue
+            original = owner.__dict__[name]
+            original = getattr(original, "__wrapped__", original)
+            if not by_design(original):  # e.g. the token allocator's alloc_extend: raises, hands out nothing
+                methods[owner, name] = AllocatorMethod(owner, name, original, role)
+    return list(methods.values()), [cls.__name__ for cls in classes if cls not in tracked]

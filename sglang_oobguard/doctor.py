@@ -14,7 +14,7 @@ from typing import Any
 from . import config
 from .discover import Found, Skipped
 from .quiet import quiet
-from .report import site_label
+from .violation import site_label
 from .targets import FUSED_WRITERS, STEP_HOOK, SUPPORTED, TESTED, is_supported, module_file, version_of_sglang
 
 
@@ -108,8 +108,7 @@ def _inspect() -> tuple[dict[str, str], Any, Any]:
     guard's dependencies are missing."""
     importlib.import_module("torch")
     from .discover import import_pool_modules
-    from .liveness import allocator_targets
-    from .patch import coverage
+    from .discover import allocator_targets, coverage
 
     unimported = import_pool_modules()
     return unimported, coverage(), allocator_targets()

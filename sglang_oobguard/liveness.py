@@ -1,70 +1,41 @@
-"""Liveness: the allocator side of the liveness guard (SGLANG_OOBGUARD_LIVENESS).
+"""Liveness: the allocator hooks that keep each pool's shadow (SGLANG_OOBGUARD_LIVENESS).
 
 A bound check sees only ids outside the pool; most stale ids are inside it, in a
 slot that its request already gave back. So each tracked allocator keeps its pool's
-shadow (`probe.Live`, one flag per page): `clear` starts it (every allocator's
-constructor calls clear), the alloc methods set the flags of the ids they return,
-a free that really gives ids back (not one a free group holds) is checked, every id
-must be live, and then clears them. The write probe reads the same shadow.
+shadow (`shadow.Live`, one flag per page of the allocator's own id space): `clear`
+starts it (every allocator's constructor calls clear), the alloc methods set the
+flags of the ids they return, a free that really gives ids back (not one a free
+group holds) is checked, every id must be live, and then clears them. The write
+probes and the step check read the same shadow.
 
 On a GPU every shadow update is ordered after the write probes already enqueued on
 the forward stream (sglang allocates and frees on its scheduling stream), so a free
 never clears a flag that a write of the batch in flight still checks.
 
-`allocator_targets` lists what to wrap from `targets.ALLOCATOR_METHODS`; `patch`
-installs and uninstalls those wrappers like the pool ones. Only an allocator over a
+`discover.allocator_targets` lists what to wrap from `targets.ALLOCATOR_METHODS`;
+`instrument` installs and uninstalls these wrappers like the pool ones. Only an allocator over a
 real KVCache with integer `size` and `page_size` is tracked (sglang's own allocator
 tests build them over mocks): the others are named once in the log.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
-from . import probe
+from . import hostscan, kernels, shadow
 from .config import Mode
-from .discover import Method, by_design, pool_classes
-from .guard import Guard, PoolState
-from .report import KVOutOfBoundsError, free_site_id, logger
-from .targets import (ALLOCATOR_BASE, ALLOCATOR_METHODS, ALLOCATOR_MODULE, BASE_CLASS, MEMORY_POOL,
-                      POOL_OF_ALLOCATOR, TOKEN_SLOTS, TRACKED_ALLOCATORS, Role)
+from .discover import AllocatorMethod, base_class
+from .guard import Guard
+from .log import logger
+from .pools import PoolState
+from .report import KVOutOfBoundsError
+from .targets import BASE_CLASS, MEMORY_POOL, POOL_OF_ALLOCATOR, TRACKED_ALLOCATORS, Role
+from .violation import free_site_id
 
 LIVE_ATTR = "_oobguard_live"  # on a tracked allocator: its pool's PoolState
 BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup_state() saw it
-
-
-@dataclass(frozen=True)
-class AllocatorMethod(Method):
-    """One allocator method to wrap (where it is defined) and what it does."""
-
-    original: Callable[..., Any]
-    role: Role
-
-
-def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
-    """The methods of the tracked allocator classes, each where it is defined, and
-    the names of the allocator classes that are not tracked; or why there are none."""
-    try:
-        base = getattr(importlib.import_module(ALLOCATOR_MODULE), ALLOCATOR_BASE)
-    except (ImportError, AttributeError) as exc:
-        return f"{ALLOCATOR_MODULE}.{ALLOCATOR_BASE} is not importable: {type(exc).__name__}: {exc}"
-    classes = [cls for cls in pool_classes(base) if cls is not base]
-    tracked = [cls for cls in classes if cls.__name__ in TRACKED_ALLOCATORS]
-    methods: dict[tuple[type, str], AllocatorMethod] = {}
-    for cls in tracked:
-        for name, role in ALLOCATOR_METHODS.items():
-            owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
-            if owner is None or (owner, name) in methods:
-                continue
-            original = owner.__dict__[name]
-            original = getattr(original, "__wrapped__", original)
-            if not by_design(original):  # e.g. the token allocator's alloc_extend: raises, hands out nothing
-                methods[owner, name] = AllocatorMethod(owner, name, original, role)
-    return list(methods.values()), [cls.__name__ for cls in classes if cls not in tracked]
 
 
 # -- what each role does around the allocator's own call ------------------------
@@ -96,7 +67,7 @@ class _Call:
 def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
     result = call()
     if isinstance(result, torch.Tensor) and state.live is not None:
-        _quietly(guard, "alloc", lambda: _update(state, lambda live: probe.mark(live, result)))
+        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result)))
     return result
 
 
@@ -155,7 +126,7 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         if type(instance).__name__ not in tracked:
             return wrapped(*args, **kwargs)
-        outer = guard.freeing
+        outer = guard.calls.freeing
         if family is not None and outer is not None and outer[0] is instance and outer[1] == family:
             return wrapped(*args, **kwargs)  # the inner half of a free we check already
         if role is Role.CLEAR:
@@ -179,15 +150,16 @@ def free_site(method: str, role: Role, cls: type) -> int:
 def _counted(guard: Guard, allocator: Any, family: str, call: _Call) -> Any:
     """Run a free with the family marked, so a nested free of the same family
     (free_page_ids calling free) is not checked twice."""
-    outer = guard.freeing
-    guard.freeing = (allocator, family)
+    calls = guard.calls
+    outer = calls.freeing
+    calls.freeing = (allocator, family)
     try:
         return call()
     finally:
-        guard.freeing = outer
+        calls.freeing = outer
 
 
-def _update(state: PoolState, change: Callable[[probe.Live], Any]) -> None:
+def _update(state: PoolState, change: Callable[[shadow.Live], Any]) -> None:
     """A shadow update, ordered after the write probes enqueued so far."""
     assert state.live is not None
     if state.live.flags.is_cuda:
@@ -222,22 +194,23 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
     free on the host (the live ones, once each); None: free `ids` as they are."""
     live = state.live
     assert live is not None
-    pool_high = live.flags.numel() * live.page
-    high = live.flags.numel() if in_pages else pool_high
     if in_pages:
-        live = live._replace(page=1)
+        live = live.as_pages()
+    high = live.high
     if guard.on_host(ids):
-        finding = probe.scan_free(ids, high, live)
+        finding = hostscan.scan_free(ids, high, live)
         contained = None
         if finding is not None:  # strict and raise: raised before the allocator took the ids
             guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True))
-            contained = probe.live_only(ids, high, live)
-        probe.release_host(ids, high, live)
+            contained = hostscan.live_only(ids, high, live)
+        shadow.release(live, ids)
         return contained
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT
-    probe.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
-                      guard.message(site) if strict and ids.is_cuda else None)
+    kernels.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
+                        guard.message(site) if strict and ids.is_cuda else None)
+    if live.owner is not None:
+        shadow.release(live, ids)  # the owners (the kernel cleared the flags)
     guard.launched(state)
     return None
 
@@ -251,8 +224,6 @@ def _releases_now(allocator: Any) -> bool:
 
 def _trackable(pool: Any) -> str:
     """Why this allocator's pool cannot carry a shadow, or "" when it can."""
-    from .patch import base_class
-
     base = base_class()
     if isinstance(base, str) or not isinstance(pool, base):
         return f"its kvcache is a {type(pool).__name__}, not a {MEMORY_POOL}.{BASE_CLASS}"
@@ -263,7 +234,9 @@ def _trackable(pool: Any) -> str:
 
 
 def _start(guard: Guard, allocator: Any) -> None:
-    """Give the allocator's pool an all-free shadow, in the pool's token-slot space."""
+    """Give the allocator's pool an all-free shadow over the allocator's own id space
+    (under decode context parallelism it is wider than the pool's rows). A shadow
+    that is already big enough is zeroed in place, never reallocated."""
     pool = allocator.__dict__.get(POOL_OF_ALLOCATOR)
     why = _trackable(pool)
     if why:
@@ -272,14 +245,14 @@ def _start(guard: Guard, allocator: Any) -> None:
             logger.warning("sglang_oobguard: liveness not tracked for a %s: %s (bound check only)", name, why)
         return
     state = guard.state(pool, torch.device(allocator.device))
-    high, page = TOKEN_SLOTS.high(pool), int(allocator.page_size)
-    pages = -(-high // page)
-    if state.live is None or state.live.page != page or state.live.flags.numel() != pages:
-        state.live = probe.new_live(pages, page, state.device)
+    page = int(allocator.page_size)
+    pages = -(-(int(allocator.size) + page) // page)
+    if state.live is None or state.live.page != page or state.live.pages < pages:
+        state.live = shadow.new_live(pages, page, state.device)
         if state.device.type == "cuda":
             _warm_up_frees(guard, state, type(allocator))
     else:
-        _update(state, lambda live: live.flags.zero_())
+        _update(state, shadow.clear)
     guard.mark(allocator, LIVE_ATTR, state)
     allocator.__dict__.pop(BACKUP_ATTR, None)
 
@@ -292,7 +265,7 @@ def _warm_up_frees(guard: Guard, state: PoolState, cls: type) -> None:
         if role not in FAMILIES or not hasattr(cls, method):
             continue
         site = free_site(method, role, cls)
-        live = state.live if role is Role.FREE else state.live._replace(page=1)
+        live = state.live if role is Role.FREE else state.live.as_pages()
         for dtype in (torch.int64, torch.int32):
-            probe.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor,
+            kernels.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor,
                               guard.steps.counter(state.device), live, guard.message(site) if strict else None)

@@ -29,6 +29,6 @@ def load() -> None:
         logging.getLogger("sglang_oobguard").error("%s", exc)
         raise
     if settings.active:
-        from .patch import install
+        from .instrument import install
 
         install(settings.mode.value)

@@ -130,4 +130,4 @@ class GuardedSession:
 def _guard_imported() -> bool:
     """Whether the guard's install machinery was ever loaded in this process (only
     then can it hold anything to check or uninstall)."""
-    return "sglang_oobguard.patch" in sys.modules
+    return "sglang_oobguard.instrument" in sys.modules

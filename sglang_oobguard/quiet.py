@@ -17,7 +17,7 @@ from typing import Iterator
 
 class Captured(logging.Handler):
     """Keeps every record that reaches the root logger. While it is a root handler,
-    our own stderr fallback (`report._FallbackHandler`) stays silent too."""
+    our own stderr fallback (`log._FallbackHandler`) stays silent too."""
 
     def __init__(self) -> None:
         super().__init__(logging.NOTSET)

@@ -11,22 +11,11 @@ point, which may sync.
 
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple, Optional
 
 import torch
 
-
-class Kind(enum.IntEnum):
-    """What was wrong with the first bad id of a record (its `kind` field)."""
-
-    BOUNDS = 0  # outside [0, high)
-    FREED = 1  # inside, on a slot the allocator does not hold as handed out (liveness)
-    DOUBLE_FREE = 2  # a free of a slot that is not handed out (liveness)
-    OTHER_REQUEST = 3  # out_cache_loc differs from the token's own slot in req_to_token (write map)
-    DUPLICATE = 4  # the same slot written by two tokens of one forward step
-    SHARED_ROW = 5  # two requests of one forward step share a req_to_token row
-    OWNED = 6  # a slot written by one request while another running request owns it (liveness)
+from .violation import Kind
 
 
 class Record(NamedTuple):

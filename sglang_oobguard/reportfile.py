@@ -2,7 +2,7 @@
 SGLANG_OOBGUARD_REPORT_DIR, for a CI job to gate on (`summary` reads them back).
 
 One activation record when the guard installs, then one record per reported
-violation: `dataclasses.asdict` of the `Violation` itself, so every field the report
+violation: `Violation.as_dict()`, so every field the report
 has (or gains) is in the file with no second schema. Each line is one `os.write` on
 an O_APPEND descriptor, so concurrent writers never interleave within a line. Writes
 happen when a violation is published, never on the guarded write's path, and never
@@ -14,7 +14,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -23,7 +22,8 @@ import time
 import weakref
 from typing import Any, Optional
 
-from .report import Violation, logger
+from .log import logger
+from .violation import Violation
 
 FORMAT = 1  # bumped when a record's meaning changes; `summary` reads this format
 ACTIVATION, VIOLATION = "activation", "violation"
@@ -53,7 +53,7 @@ class ReportFile:
         self._append(None)
 
     def violation(self, pool_key: int, violation: Violation) -> None:
-        self._append({"kind": VIOLATION, "pool_key": pool_key, "violation": dataclasses.asdict(violation)})
+        self._append({"kind": VIOLATION, "pool_key": pool_key, "violation": violation.as_dict()})
 
     def _append(self, record: Optional[dict[str, Any]]) -> None:
         """Write one record (None: only make sure the file is open); never raises. The

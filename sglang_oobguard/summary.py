@@ -8,14 +8,13 @@ Standard library only: a CI step can run it without torch.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from .report import Violation
+from .violation import Violation
 from .reportfile import ACTIVATION, PREFIX, SUFFIX, VIOLATION
 
 OK, VIOLATIONS, UNGUARDED = 0, 1, 2  # exit codes
@@ -112,9 +111,8 @@ def _who(record: dict[str, Any]) -> str:
 def describe(record: dict[str, Any]) -> str:
     """A violation record's text, as the guard itself reports it (`Violation.__str__`)."""
     found = record.get("violation") or {}
-    known = {f.name for f in dataclasses.fields(Violation)}
     try:
-        return f"{Violation(**{k: v for k, v in found.items() if k in known})} (pool {found.get('pool')})"
+        return Violation.from_dict(found).described()
     except TypeError:  # written by a release whose Violation has other required fields
         return json.dumps(found)
 

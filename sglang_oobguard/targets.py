@@ -46,6 +46,7 @@ class Bound:
 
     rule: str  # how the bound is computed, for logs and `doctor`
     high: Callable[[Any], int]
+    slots: bool = False  # the pool's own token slots: what its allocator hands out (the liveness shadow)
 
 
 def _token_slots(pool: Any) -> int:
@@ -55,7 +56,11 @@ def _token_slots(pool: Any) -> int:
 def _dcp_token_slots(pool: Any) -> int:
     # 0.5.19+: under decode context parallelism the MLA write loc is logical,
     # one stored row per `_write_loc_dcp_span` ids; upstream widens its bound so.
-    return (pool.size + pool.page_size) * getattr(pool, "_write_loc_dcp_span", 1)
+    try:
+        span = getattr(pool, "_write_loc_dcp_span", 1)  # a property that reads sglang's runtime context
+    except Exception:  # a context that never set the DCP width: no DCP
+        span = 1
+    return (pool.size + pool.page_size) * span
 
 
 def _npu_index_slots(pool: Any) -> int:
@@ -63,8 +68,12 @@ def _npu_index_slots(pool: Any) -> int:
     return pool.index_size + pool.index_page_size * pool.index_page_padding
 
 
-TOKEN_SLOTS = Bound("size + page_size", _token_slots)
-DCP_TOKEN_SLOTS = Bound("(size + page_size) * _write_loc_dcp_span", _dcp_token_slots)
+TOKEN_SLOTS = Bound("size + page_size", _token_slots, slots=True)
+DCP_TOKEN_SLOTS = Bound("(size + page_size) * _write_loc_dcp_span", _dcp_token_slots, slots=True)
+# The one bound of a pool's write ids, used by every check that is not a method's own
+# (the forward step's out_cache_loc): the widest form, which is size + page_size
+# wherever decode context parallelism is off (upstream's fix of the same false positive: #33432).
+POOL_IDS = DCP_TOKEN_SLOTS
 NPU_INDEX_SLOTS = Bound("index_size + index_page_size * index_page_padding", _npu_index_slots)
 
 

@@ -2,8 +2,10 @@
 looks it up (`targets.FUSED_WRITERS`). A fused writer takes its own ids and indexes
 the rows of a buffer it is given, so its bound is that buffer's height; it gets the
 same probe, memo and containment as a pool method, keyed on a `WriterSite` per
-writer and bound. (The step check of out_cache_loc covers these writers
-too; this names the writer, and contains what it is handed.)
+writer and bound. (The step check of out_cache_loc covers these writers too; this
+names the writer, and contains what it is handed.) A `WriterSite` and its buffers
+are made at the writer's first call outside a graph capture (sglang's eager
+warm-up); a first call under capture is left to the step check, never allocated for.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from typing import Any, Callable
 
 import torch
 
-from .guard import NAME_ATTR, SITES_ATTR, Guard, argument, replaced
-from .report import KVOutOfBoundsError, site_id
+from .guard import Guard
+from .pools import NAME_ATTR, SITES_ATTR
+from .report import KVOutOfBoundsError
 from .targets import Writer
+from .violation import site_id
+from .writes import argument, check_write, replaced
 
 
 class WriterSite:
@@ -49,9 +54,10 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
                 if writer.per_row is not None:
                     bound *= int(argument(args, kwargs, *writer.per_row, per_row_default))
                 holder = holders.get((loc.device, bound))
-                if holder is None:
+                if holder is None and not (loc.is_cuda and torch.cuda.is_current_stream_capturing()):
                     holder = holders[loc.device, bound] = WriterSite(writer, bound, site)
-                checked = guard.check_write(holder, site, 0, loc, bound, lambda: -1)
+                checked = loc if holder is None else check_write(guard, holder, site, 0, loc, bound, lambda: -1,
+                                                                 slots=False)
                 if checked is not loc:
                     args, kwargs = replaced(args, kwargs, ids_at, ids_name, given, checked)
         except KVOutOfBoundsError:

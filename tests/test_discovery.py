@@ -19,10 +19,10 @@ import torch
 
 import sglang_oobguard
 from helpers import SGLANG, Layer, mha, needs
-from sglang_oobguard import KVOutOfBoundsError, probe
+from sglang_oobguard import KVOutOfBoundsError, kernels
 from sglang_oobguard.discover import Found, Skipped, import_pool_modules
-from sglang_oobguard.patch import coverage
-from sglang_oobguard.report import site_label
+from sglang_oobguard.discover import coverage
+from sglang_oobguard.violation import site_label
 
 import_pool_modules()  # every pool module that imports here, so that discovery sees every class
 ENTRIES = coverage()
@@ -113,8 +113,8 @@ def test_methods_without_a_rule_are_named_at_activation(mp, guard, caplog):
 
 def count_launches(monkeypatch) -> list:
     launches: list = []
-    real = probe.launch
-    monkeypatch.setattr(probe, "launch", lambda *a, **k: (launches.append(a[2]), real(*a, **k))[1])
+    real = kernels.launch
+    monkeypatch.setattr(kernels, "launch", lambda *a, **k: (launches.append(a[2]), real(*a, **k))[1])
     return launches
 
 

@@ -15,8 +15,8 @@ DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main([
 EXPECTED = """
 import json
 from sglang_oobguard.discover import Found, import_pool_modules
-from sglang_oobguard.patch import coverage
-from sglang_oobguard.report import site_label
+from sglang_oobguard.discover import coverage
+from sglang_oobguard.violation import site_label
 import_pool_modules()
 rows = []
 for e in coverage():

@@ -288,14 +288,14 @@ def test_each_captured_graph_holds_one_probe_after_sglangs_eager_warm_up(mp, gua
     """sglang's capture: per batch size, eager runs with the same buffers, then the
     capture. The eager runs (outside any forward step) probe every write; each capture
     holds exactly one probe for its L layers, and that probe re-checks at every replay."""
-    from sglang_oobguard import probe
+    from sglang_oobguard import kernels
 
     layers = 8
     guard("raise", poll_every=1000)
     pool = cuda_pool(mp, layers=layers)
     k = kv(4)
-    real, launches = probe.launch, []
-    monkeypatch.setattr(probe, "launch", lambda *a, **kw: launches.append(torch.cuda.is_current_stream_capturing())
+    real, launches = kernels.launch, []
+    monkeypatch.setattr(kernels, "launch", lambda *a, **kw: launches.append(torch.cuda.is_current_stream_capturing())
                         or real(*a, **kw))
     graphs = {}
     for bs in (2, 4):

@@ -17,10 +17,10 @@ COMPILE = """
 import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sglang_oobguard import probe
+from sglang_oobguard import kernels
 from sglang_oobguard.config import Config, Mode
 from sglang_oobguard.guard import Guard
-from sglang_oobguard.report import site_id
+from sglang_oobguard.violation import site_id
 
 guard = Guard(Config(mode=Mode.STRICT, liveness=True))
 longest = "set_unified_key_buffer_radix_fused_norm_rope (DeepSeekV4TokenToKVPool)"  # the longest label seen
@@ -35,18 +35,18 @@ def build(fn, signature, constexprs, strict):
 variants = {}
 for loc_type, lens, live in (("i32", False, False), ("i64", False, False), ("i64", True, False), ("i64", False, True)):
     name = loc_type + ("-lens" if lens else "") + ("-live" if live else "")
-    variants[name] = (probe._oob_probe_kernel, {
+    variants[name] = (kernels._oob_probe_kernel, {
         "loc_ptr": "*" + loc_type, "n": "i32", "stride": "i64", "lens_ptr": "*i32", "row_len": "i32",
         "row_stride": "i64", "high": "i64", "site": "i32", "layer": "i32", "record_ptr": "*i64",
         "scratch_ptr": "*i64", "step_ptr": "*i64", "live_ptr": "*i32", "live_page": "i32", "clean_ptr": "*" + loc_type,
         "chunk": "i32"}, {"HAS_LENS": lens, "HAS_LIVE": live, "COPY": True})
 for exclusive in (False, True):
-    variants["free" + ("-exclusive" if exclusive else "")] = (probe._free_probe_kernel, {
+    variants["free" + ("-exclusive" if exclusive else "")] = (kernels._free_probe_kernel, {
         "ids_ptr": "*i64", "n": "i32", "stride": "i64", "high": "i64", "site": "i32", "layer": "i32",
         "record_ptr": "*i64", "step_ptr": "*i64", "live_ptr": "*i32", "live_page": "i32"}, {"EXCLUSIVE": exclusive})
 for name, (fn, signature, extra) in variants.items():
     for strict in (False, True):
-        constexprs = dict(extra, ASSERT=strict, MESSAGE=message if strict else "", BLOCK=probe.PROBE_BLOCK)
+        constexprs = dict(extra, ASSERT=strict, MESSAGE=message if strict else "", BLOCK=kernels.PROBE_BLOCK)
         kernel = build(fn, signature, constexprs, strict)
         out[name + ("-strict" if strict else "")] = {
             "assert": "__assertfail" in kernel.asm["ptx"],

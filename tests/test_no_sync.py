@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sglang_oobguard
 from helpers import Layer, mha, token_allocator
 from sglang_oobguard import guard as guard_mod
-from sglang_oobguard import liveness, probe, record
+from sglang_oobguard import hostscan, kernels, liveness, pools, record, shadow, stepcheck, writes
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
@@ -76,16 +76,17 @@ def test_liveness_alloc_free_and_writes_issue_no_host_sync(mp, guard):
 def test_host_scan_is_what_would_sync(mp):
     """The dispatch check can fail: the CPU host path does read values."""
     with OpLog() as log:
-        probe.scan_host(torch.arange(100), 10)
+        hostscan.scan_host(torch.arange(100), 10)
     assert "aten._local_scalar_dense.default" in log.ops
 
 
-HOT_PATH = [guard_mod.Guard.check_write, guard_mod.Guard.launched, guard_mod.Guard.state, guard_mod.Guard.publish,
-            guard_mod.PoolState.copy_for, guard_mod.PoolState.saw_stream, guard_mod.PoolState.after_probes,
-            guard_mod.make_wrapper, guard_mod._layer_id, guard_mod.replaced, probe.launch, probe.programs,
-            record.PoolRecord.poll, record.PoolRecord.unreported, liveness.check_free, probe.launch_free,
-            probe.mark, liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end,
-            liveness._update, liveness._counted, probe._Launcher.__call__, probe._key]
+HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_mod.Guard.state,
+            guard_mod.Guard.publish, pools.PoolState.copy_for, pools.PoolState.saw_stream,
+            pools.PoolState.after_probes, pools.region, writes.make_wrapper, writes._layer_id, writes.replaced,
+            kernels.launch, kernels.programs, record.PoolRecord.poll, record.PoolRecord.unreported,
+            liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages,
+            liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end, liveness._update,
+            liveness._counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 

@@ -22,7 +22,7 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.mem_cache import memory_pool as mp
 fn = mp.MHATokenToKVPool.__dict__["set_kv_buffer"]
-import sglang_oobguard.patch as p
+import sglang_oobguard.instrument as p
 print(json.dumps({"wrapped": hasattr(fn, "__wrapped__"),
                   "mode": p._active.guard.config.mode.value if p._active else None}))
 """

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_oobguard import probe
+from sglang_oobguard import hostscan, kernels, shadow
 from sglang_oobguard.record import Record, fold_host
 
 
@@ -22,9 +22,9 @@ def new_record():
 def kernel(loc, high, site, layer, record, lens=None, live=None):
     """The kernel path (Triton's interpreter here): returns its cleaned copy; `loc` is only read."""
     clean = torch.empty_like(loc, memory_format=torch.contiguous_format)
-    scratch = torch.tensor(probe.SCRATCH_INIT)
-    probe.launch(loc, high, site, layer, record, scratch, torch.tensor([STEP]), clean, None, lens, live)
-    assert scratch.tolist() == list(probe.SCRATCH_INIT)  # a split probe leaves its scratch as it found it
+    scratch = torch.tensor(kernels.SCRATCH_INIT)
+    kernels.launch(loc, high, site, layer, record, scratch, torch.tensor([STEP]), clean, None, lens, live)
+    assert scratch.tolist() == list(kernels.SCRATCH_INIT)  # a split probe leaves its scratch as it found it
     return clean
 
 
@@ -35,11 +35,11 @@ def oracle(ids: list[int], high: int):
 
 def host_path(loc, high, site, layer, record):
     """The host path: returns (finding, what the write gets)."""
-    finding = probe.scan_host(loc, high)
+    finding = hostscan.scan_host(loc, high)
     if finding is None:
         return None, loc
     fold_host(record, finding.record(site, layer, high, loc.numel(), STEP))
-    return finding, probe.cleaned(loc, high)
+    return finding, hostscan.cleaned(loc, high)
 
 
 calls = st.integers(1, 4000).flatmap(
@@ -78,7 +78,7 @@ def test_both_paths_agree_with_the_oracle_and_each_other(case):
         assert got[2:] == first[2:]
 
 
-@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 3000, probe.SPLIT_ABOVE, probe.SPLIT_ABOVE + 1, 65536])
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 3000, kernels.SPLIT_ABOVE, kernels.SPLIT_ABOVE + 1, 65536])
 def test_block_and_program_edges_find_the_last_id(n):
     loc = torch.zeros(n, dtype=torch.int64)
     loc[-1] = 10
@@ -86,14 +86,14 @@ def test_block_and_program_edges_find_the_last_id(n):
     kernel(loc, 10, 0, 0, record)
     got = Record(*record.tolist())
     assert (got.calls, got.bad, got.pos, got.value, got.numel) == (1, 1, n - 1, 10, n)
-    assert probe.scan_host(torch.tensor([0] * (n - 1) + [10]), 10) == probe.Finding(1, n - 1, 10)
+    assert hostscan.scan_host(torch.tensor([0] * (n - 1) + [10]), 10) == hostscan.Finding(1, n - 1, 10)
 
 
-@pytest.mark.parametrize("n", [probe.SPLIT_ABOVE + 1, 3 * probe.SPLIT_CHUNK + 5, 65536])
+@pytest.mark.parametrize("n", [kernels.SPLIT_ABOVE + 1, 3 * kernels.SPLIT_CHUNK + 5, 65536])
 def test_a_probe_split_over_programs_folds_like_one(n):
     """Several programs (a large prefill chunk): one call counted, the least bad position
     and its value, whatever program found it; then a clean call adds nothing."""
-    assert probe.programs(n)[0] > 1
+    assert kernels.programs(n)[0] > 1
     gen = torch.Generator().manual_seed(n)
     loc = torch.randint(0, 1000, (n,), generator=gen)
     bad_at = sorted(torch.randperm(n, generator=gen)[:7].tolist())
@@ -103,7 +103,7 @@ def test_a_probe_split_over_programs_folds_like_one(n):
     clean = kernel(loc, 1000, 4, 2, record)
     want = oracle(loc.tolist(), 1000)
     assert Record(*record.tolist()) == Record(7, 1, 4, 2, 1000, 7, n, want[1], want[2], STEP)
-    assert torch.equal(clean, probe.cleaned(loc, 1000))
+    assert torch.equal(clean, hostscan.cleaned(loc, 1000))
     kernel(loc.clamp(0, 999), 1000, 4, 2, record)
     assert Record(*record.tolist()).calls == 1
 
@@ -129,14 +129,14 @@ def test_prefix_valid_rows_check_only_the_written_prefix(case):
     lens = torch.tensor([n for _, n in batch], dtype=torch.int32)
     want = oracle([v if j < n else 0 for ids, n in batch for j, v in enumerate(ids)], high)  # tails: a valid 0
     before = loc.clone()
-    found = probe.scan_host(loc, high, lens)
+    found = hostscan.scan_host(loc, high, lens)
     record = new_record()
     clean = kernel(loc, high, 3, 1, record, lens)
     assert torch.equal(loc, before)
     assert (None if found is None else tuple(found)) == want
     got = Record(*record.tolist())
     assert ((got.bad, got.pos, got.value) if got.calls else None) == want
-    assert torch.equal(probe.cleaned(loc, high, lens), clean)
+    assert torch.equal(hostscan.cleaned(loc, high, lens), clean)
     for i, (ids, n) in enumerate(batch):  # unwritten tails copied as they are, written prefixes in range
         assert clean[i, n:].tolist() == ids[n:]
         assert all(0 <= v < high for v in clean[i, :n].tolist())

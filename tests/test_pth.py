@@ -105,7 +105,7 @@ import json, site
 site.addsitedir({site_dir!r})
 from sglang.srt.mem_cache import memory_pool  # the hook installs here
 from sglang_oobguard.discover import Found, import_pool_modules
-from sglang_oobguard.patch import coverage
+from sglang_oobguard.discover import coverage
 import_pool_modules()  # pool modules sglang loads later: SWA, DSA layer-split, HiSparse, ...
 found = [e for e in coverage() if isinstance(e, Found)]
 once = [e.qualname for e in found if hasattr(e.owner.__dict__[e.method], "__wrapped__")
@@ -121,3 +121,45 @@ def test_pool_classes_defined_after_the_hook_are_guarded_once(site_dir):
     assert got["found"] >= 3 and got["once"] == got["found"]
     if importlib.util.find_spec("sglang.srt.mem_cache.swa_memory_pool"):  # 0.5.8+: pools beyond memory_pool
         assert got["modules"] > 1
+
+
+WHEEL_INSTALL = """
+import json, site, sys
+sys.path.insert(0, {target!r})  # the wheel's package first, before the editable one
+site.addsitedir({target!r})  # runs its sglang_oobguard.pth, as at a regular install's interpreter start
+import torch
+import sglang_oobguard
+sglang_oobguard.install()  # imports memory_pool, which fires the .pth hook's own install first
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+class Layer:
+    layer_id = 1
+
+pool = MHATokenToKVPool(64, 1, torch.float32, 2, 4, 2, "cpu", False)
+k = torch.ones(2, 2, 4)
+pool.set_kv_buffer(Layer, torch.tensor([3, -1]), k, k)
+fn = MHATokenToKVPool.__dict__["set_kv_buffer"]
+print(json.dumps({{"file": sglang_oobguard.__file__, "violations": [str(v) for v in sglang_oobguard.violations()],
+                  "once": hasattr(fn, "__wrapped__") and not hasattr(fn.__wrapped__, "__wrapped__")}}))
+"""
+
+
+def test_a_regular_install_from_the_wheel_installs_once_through_either_door(tmp_path):
+    """The suite's editable install places no .pth hook, so this builds the wheel and
+    installs it as pip would: install() imports memory_pool, that import fires the
+    hook, and the hook's install and the call's are one instrumentor: one activation
+    line, each method wrapped once, and violations() holds the report."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("sglang_oobguard-*.whl")
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    assert (target / "sglang_oobguard.pth").exists()
+    proc = run_python(WHEEL_INSTALL.format(target=str(target)), {"SGLANG_OOBGUARD_MODE": "warn"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["file"].startswith(str(target))
+    assert proc.stderr.count("sglang_oobguard active") == 1, proc.stderr[-3000:]
+    assert got["once"]
+    assert got["violations"] == ["set_kv_buffer (MHA) layer 1: 1 of 2 slot ids outside [0, 65): loc[1] = -1"]

@@ -11,7 +11,7 @@ import torch
 
 import sglang_oobguard
 from helpers import Layer, as_write_loc, mha
-from sglang_oobguard import KVOutOfBoundsError, probe
+from sglang_oobguard import KVOutOfBoundsError, hostscan, kernels
 
 LAYERS, HIGH = 4, 65
 
@@ -54,9 +54,9 @@ def decode_batch(loc, rids=("r0", "r1", "r2"), seq_lens=(5, 9, 3)):
 
 def count_probes(monkeypatch):
     calls = []
-    for name in ("scan_host", "launch"):
-        real = getattr(probe, name)
-        monkeypatch.setattr(probe, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    for module, name in ((hostscan, "scan_host"), (kernels, "launch")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     return calls
 
 

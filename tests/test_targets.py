@@ -44,7 +44,7 @@ def test_declared_support(version, ok):
 
 def test_unsupported_version_still_installs_and_says_so(mp, monkeypatch, caplog):
     import sglang_oobguard
-    from sglang_oobguard import patch
+    from sglang_oobguard import instrument as patch
 
     monkeypatch.setattr(patch, "version_of_sglang", lambda: "0.9.0")
     caplog.set_level("INFO", logger="sglang_oobguard")

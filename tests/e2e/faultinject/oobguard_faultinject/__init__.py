@@ -27,7 +27,7 @@ its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer
 (writes), `MHATokenToKVPool.move_kv_cache` (moves) and
 `TokenToKVPoolAllocator.free` with ids (frees), the methods the guard wraps with
 liveness on (with the guard active, every call counted went through its wrapper), the
-guard's own write probes (`sglang_oobguard.probe.scan_host` and `launch`: probes) and
+guard's own write probes (`sglang_oobguard.hostscan.scan_host` and `kernels.launch`: probes) and
 the forwards that write KV (steps).
 """
 
@@ -185,7 +185,8 @@ def _patch_probe(module) -> None:
     import wrapt
 
     for name in ("scan_host", "launch"):
-        wrapt.wrap_function_wrapper(module, name, _counter("probes"))
+        if name in vars(module):
+            wrapt.wrap_function_wrapper(module, name, _counter("probes"))
 
 
 def _patch_allocator(module) -> None:
@@ -204,4 +205,5 @@ def load() -> None:
     wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
     wrapt.register_post_import_hook(_patch_allocator, "sglang.srt.mem_cache.allocator.token")
     if os.environ.get("OOBGUARD_COUNT"):
-        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probe")
+        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.hostscan")
+        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.kernels")

@@ -1,4 +1,4 @@
-"""Install and uninstall: one instrumentor owns everything it wrapped.
+"""Instrument: install and uninstall; one instrumentor owns everything it wrapped.
 
 `install` discovers the write methods of every KVCache subclass defined so far and
 wraps each one a rule covers with `wrapt.wrap_function_wrapper`; a hook on KVCache's
@@ -13,8 +13,8 @@ methods are wrapped too (`liveness`). Every patch is recorded as it is made, and
 from __future__ import annotations
 
 import gc
-import importlib
 import os
+import threading
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -23,16 +23,17 @@ from typing import Any, Callable, Optional, Union
 import wrapt
 
 from . import config as config_mod
-from .discover import Found, Skipped, discover, pool_classes, resolve, write_methods
-from .guard import Guard, attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
-from .liveness import AllocatorMethod, allocator_targets
+from .discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover, pool_classes,
+                       resolve, write_methods)
+from .guard import Guard
 from .liveness import make_wrapper as make_allocator_wrapper
-from .report import Violation, ensure_visible, logger
+from .log import ensure_visible, logger
 from .reportfile import open_report
-from .step import make_forward_hook
-from .targets import (BASE_CLASS, FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, UPSTREAM_PROBE, is_supported,
-                      module_file, version_of_sglang)
+from .stepcheck import make_forward_hook
+from .targets import FUSED_WRITERS, STEP_HOOK, UPSTREAM_PROBE, is_supported, module_file, version_of_sglang
+from .violation import Violation
 from .writers import make_writer_wrapper
+from .writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 
 _MISSING = object()
 
@@ -180,6 +181,7 @@ class Instrumentor:
 
 
 _active: Optional[Instrumentor] = None
+_lock = threading.RLock()  # one install at a time; re-entered by the .pth hook's install inside ours
 _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hooks for the process)
 
 
@@ -207,20 +209,6 @@ def _on_import(module: ModuleType) -> None:
             _active.guard.internal_error(f"patching {module.__name__}", exc)
 
 
-def base_class() -> Union[type, str]:
-    """memory_pool's KVCache, or why it cannot be had."""
-    try:
-        return getattr(importlib.import_module(MEMORY_POOL), BASE_CLASS)
-    except (ImportError, AttributeError) as exc:
-        return f"{MEMORY_POOL}.{BASE_CLASS} is not importable: {type(exc).__name__}: {exc}"
-
-
-def coverage() -> Union[list[Union[Found, Skipped]], str]:
-    """Every write method of the pool classes defined so far: Found, or Skipped with why."""
-    base = base_class()
-    return base if isinstance(base, str) else discover(base)
-
-
 def _config_for(mode: Optional[str]) -> config_mod.Config:
     """The environment's configuration; an explicit `mode` argument wins, and with
     none an explicit call to install() means strict unless the environment says."""
@@ -230,22 +218,35 @@ def _config_for(mode: Optional[str]) -> config_mod.Config:
 def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], ...]:
     """Guard every write method that a rule covers on this sglang (and, with
     liveness on, wrap the tracked allocators); returns what was wrapped."""
-    global _active
     config = _config_for(mode)
     if not config.active:
         return ()
     _check_backend(config)
-    if _active is not None:  # already installed: same wrappers, new settings
-        tracking = any(isinstance(entry, AllocatorMethod) for entry in _active.entries)
-        _active.guard.configure(config)
-        if config.liveness != tracking:
-            _active.track_allocators() if config.liveness else _active.untrack_allocators()
-        return _active.entries
-    ensure_visible()
-    base = base_class()
-    if isinstance(base, str):
-        logger.warning("sglang_oobguard: nothing guarded: %s", base)
-        return ()
+    with _lock:
+        if _active is not None:
+            return _reconfigure(config)
+        ensure_visible()
+        base = base_class()  # importing memory_pool may fire the .pth hook, which installs first
+        if _active is not None:
+            return _reconfigure(config)
+        if isinstance(base, str):
+            logger.warning("sglang_oobguard: nothing guarded: %s", base)
+            return ()
+        return _install(config, base)
+
+
+def _reconfigure(config: config_mod.Config) -> tuple[Union[Found, AllocatorMethod], ...]:
+    """Already installed (whichever door came first): the same wrappers, new settings."""
+    assert _active is not None
+    tracking = any(isinstance(entry, AllocatorMethod) for entry in _active.entries)
+    _active.guard.configure(config)
+    if config.liveness != tracking:
+        _active.track_allocators() if config.liveness else _active.untrack_allocators()
+    return _active.entries
+
+
+def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, AllocatorMethod], ...]:
+    global _active
     _active = Instrumentor(config)
     skipped = _active.instrument(base)
     version = version_of_sglang()
@@ -288,10 +289,11 @@ def _check_backend(config: config_mod.Config) -> None:
 def uninstall() -> None:
     """Put every original object back; a no-op when not installed."""
     global _active
-    if _active is not None:
-        _active.undo()
-        _active.guard.forget()
-        _active = None
+    with _lock:
+        if _active is not None:
+            _active.undo()
+            _active.guard.forget()
+            _active = None
 
 
 def is_installed() -> bool:

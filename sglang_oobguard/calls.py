@@ -1,0 +1,40 @@
+"""Calls: what the guard knows of the calls in progress, per thread.
+
+sglang 0.4.x runs the forward on a thread of its own, beside the scheduler's, so
+nothing of a call in progress may be a process global: each thread has its own
+innermost guarded call, free in progress, step depth and per-step memo.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+
+class CallState(threading.local):
+    """One thread's calls in progress (a `threading.local`: each thread sees its own)."""
+
+    def __init__(self) -> None:
+        # The guarded write in progress, innermost: (pool, method, ids object passed on).
+        # A nested call on the same pool and method with that ids object (a super()
+        # call) is not probed again; inside any, upstream's duplicate probe is skipped.
+        self.current: Optional[tuple[Any, str, Any]] = None
+        # The allocator call in progress that checks frees: (allocator, role family);
+        # a nested one of the same family (free_page_ids calling free) is not counted twice.
+        self.freeing: Optional[tuple[Any, str]] = None
+        self.depth = 0  # forward steps in progress on this thread
+        # Within one forward step (or one graph capture), the ids objects already probed
+        # on a pool: (pool, bound, region, ids, lens, live) -> (ids, what the write got,
+        # whether that is a copy in the pool's buffer).
+        self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self.capturing = False  # the memo belongs to a graph capture
+
+    def memo_on(self, capturing: bool) -> bool:
+        """Whether the memo serves: inside a forward step, or while a graph is
+        captured (a capture starts a memo of its own, so each graph holds its probe)."""
+        if capturing != self.capturing:
+            self.capturing = capturing
+            self.memo.clear()
+        return capturing or self.depth > 0

@@ -1,0 +1,33 @@
+"""Log: the guard's logger, heard even before the process configures logging.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger("sglang_oobguard")  # messages name us themselves: sglang's format omits the logger
+
+
+class _FallbackHandler(logging.StreamHandler):
+    """Prints our records to stderr only while the process has no logging set up.
+
+    sglang's plugin loader runs before the scheduler configures logging, so without
+    this the activation line of every scheduler would be lost; once sglang (or pytest)
+    installs root handlers, records flow there instead, and nothing prints twice.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def ensure_visible() -> None:
+    if not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
+        handler = _FallbackHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)

@@ -1,0 +1,116 @@
+"""Pools: what the guard keeps for each pool, made when the pool is built.
+
+A `PoolState` holds the pool's record, the probe's scratch, the buffers the kernel
+writes cleaned copies into, and, with liveness on, the shadow its allocator keeps.
+Every buffer is made here, before serving and before any graph capture, and none
+is ever grown, moved or freed while the process runs (a captured graph keeps their
+addresses): a write with more ids than the buffers hold is probed without
+containment instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional
+
+import torch
+
+from . import kernels
+from .record import PoolRecord
+from .shadow import Live
+
+STATE_ATTR = "_oobguard_state"
+NAME_ATTR = "_oobguard_name"  # a state holder that is no pool (a fused writer's) names itself
+SITES_ATTR = "_oobguard_sites"  # ...and the sites its warm-up compiles
+RING = 4  # eager copy slots, one per step in flight (the overlap scheduler runs one step ahead)
+REGIONS = 2  # id parameters per write (move_kv_cache has two)
+RETIRED: list["PoolState"] = []  # states of an uninstalled guard: kept, a captured graph may still replay them
+
+_serials = itertools.count()
+
+
+class PoolState:
+    """One pool's record, the kernel's copy buffers and the liveness shadow."""
+
+    def __init__(self, pool: Any, device: torch.device) -> None:
+        self.pool_name = pool.__dict__.get(NAME_ATTR) or type(pool).__name__
+        self.serial = next(_serials)  # the pool's key in the reporter
+        self.device = device
+        self.record = PoolRecord(device)
+        self.scratch = torch.tensor(kernels.SCRATCH_INIT, dtype=torch.int64, device=device)
+        self.live: Optional[Live] = None  # the liveness shadow, when an allocator is tracked
+        self.since_poll = 0
+        # The stream of the latest write probe (GPU): shadow updates on another stream wait for it.
+        self.probe_stream: Optional[torch.cuda.Stream] = None
+        self._raw_stream = 0
+        # Cleaned copies for the kernel: RING eager slots (by step number) and one for
+        # graph captures (graphs of one pool replay one at a time), REGIONS regions
+        # each, every region as tall as the pool's slots. Made now on a GPU; on a CPU
+        # (the kernel runs there only in Triton's interpreter, and no graph exists)
+        # at the first copy.
+        self.capacity = int(pool.size) + int(pool.page_size)
+        self._copies: Optional[torch.Tensor] = self._new_copies() if device.type == "cuda" else None
+        self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
+        self.copied_for: dict[int, torch.Tensor] = {}  # region index -> the ids its copy was made of
+
+    def copy_for(self, region: int, loc: torch.Tensor) -> Optional[torch.Tensor]:
+        """A contiguous tensor like `loc` in copy region `region` (slot * REGIONS + id
+        parameter); None when `loc` holds more ids than a region."""
+        key = (region, loc.dtype, loc.shape)
+        view = self._views.get(key)
+        if view is None:
+            n = loc.numel()
+            if n > self.capacity:
+                return None
+            if self._copies is None:
+                self._copies = self._new_copies()
+            base = self._copies[region * self.capacity:(region + 1) * self.capacity]
+            view = base.view(loc.dtype)[:n].view(loc.shape)
+            if len(self._views) >= 256:
+                self._views.clear()
+            self._views[key] = view
+        return view
+
+    def _new_copies(self) -> torch.Tensor:
+        return torch.empty((RING + 1) * REGIONS * self.capacity, dtype=torch.int64, device=self.device)
+
+    def saw_stream(self, device_index: int) -> None:
+        """Remember the stream a write probe was enqueued on (a cheap raw-pointer test)."""
+        raw = torch._C._cuda_getCurrentRawStream(device_index)
+        if raw != self._raw_stream:
+            self._raw_stream = raw
+            self.probe_stream = torch.cuda.current_stream(device_index)
+
+    def after_probes(self) -> None:
+        """Order what the current stream does next (a shadow update) after every
+        write probe enqueued so far on the probing stream: a stream wait, no host sync."""
+        stream = self.probe_stream
+        if stream is None or torch.cuda.is_current_stream_capturing():
+            return
+        current = torch.cuda.current_stream(stream.device)
+        if current != stream:
+            current.wait_stream(stream)
+
+
+def region(slot: int, param: int) -> int:
+    """The copy region of an id parameter in a copy slot."""
+    return slot * REGIONS + param
+
+
+def warm_up(state: PoolState, sites: dict[int, bool], counter: torch.Tensor, strict: bool, liveness: bool,
+            message: Any) -> None:
+    """Compile, by empty launches, every kernel variant this pool's writes can ask
+    for, so that serving and graph capture never compile. `sites`: {site: whether it
+    takes row lengths}. Strict mode compiles one variant per site (its assert text);
+    the others share theirs."""
+    if not strict:
+        sites = {-1: any(sites.values())}
+    lives = (None, Live(state.scratch[:1].view(torch.int32), 1)) if liveness else (None,)
+    for dtype in (torch.int64, torch.int32):
+        loc = torch.empty(0, dtype=dtype, device=state.device)
+        for site, with_lens in sites.items():
+            for lens in (None, torch.empty(0, 0, dtype=dtype, device=state.device))[:1 + with_lens]:
+                for live in lives:
+                    kernels.launch(loc if lens is None else lens, 1, max(site, 0), -1, state.record.tensor,
+                                   state.scratch, counter, None if strict else loc,
+                                   message(site) if strict else None, None if lens is None else lens[:, 0], live)

@@ -1,0 +1,77 @@
+"""Shadow: the liveness shadow of one pool, and the updates its allocator makes to it.
+
+One int32 flag per page of the allocator's id space, set while the allocator has
+that page handed out; page 0, the padding page that is never handed out, is exempt
+from the checks. `owner` holds, per page, the req_to_token row (+1) of the request
+that first wrote it since it was handed out (0: none yet): the ownership check's
+table. Both are made once per allocator and zeroed in place, never reallocated,
+so a captured CUDA graph that reads them never reads freed memory.
+
+Every index operation here is bounds-checked: an id outside the shadow is left
+alone (the bound checks report it), never an IndexError inside sglang's allocator.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Live(NamedTuple):
+    """A pool's liveness shadow: flags[id // page] != 0 while that page is handed out.
+    Each table has one more entry than pages: the sink, where an update of an id
+    outside the shadow lands (no host sync to filter it out on a GPU); no check reads it."""
+
+    flags: torch.Tensor  # int32 (the free kernel exchanges flags atomically), one per page, then the sink
+    page: int  # ids per flag: the allocator's page size (1: per slot)
+    host: Optional[memoryview] = None  # a CPU shadow's memory: the host scan reads it without torch ops
+    owner: Optional[torch.Tensor] = None  # int32 per page: the owning req_to_token row + 1, 0 for none
+
+    @property
+    def pages(self) -> int:
+        return self.flags.numel() - 1
+
+    @property
+    def high(self) -> int:
+        """The ids the shadow covers: [0, high)."""
+        return self.pages * self.page
+
+    def as_pages(self) -> "Live":
+        """The same shadow, indexed by page ids instead of token ids."""
+        return self._replace(page=1)
+
+
+def new_live(pages: int, page: int, device: torch.device) -> Live:
+    flags = torch.zeros(pages + 1, dtype=torch.int32, device=device)
+    owner = torch.zeros(pages + 1, dtype=torch.int32, device=device)
+    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()), owner)  # type: ignore[arg-type]
+
+
+def _pages(live: Live, ids: torch.Tensor) -> torch.Tensor:
+    """The page of each id; an id outside the shadow gets the sink (left to the bound checks)."""
+    flat = ids.reshape(-1).to(live.flags.device, torch.int64)
+    return torch.where((flat >= 0) & (flat < live.high), flat // live.page, live.pages)
+
+
+def mark(live: Live, ids: torch.Tensor) -> None:
+    """The allocator handed these ids out: their pages are live, and have no owner yet."""
+    pages = _pages(live, ids)
+    live.flags.index_fill_(0, pages, 1)
+    if live.owner is not None:
+        live.owner.index_fill_(0, pages, 0)
+
+
+def release(live: Live, ids: torch.Tensor) -> None:
+    """The pages of these ids went back to the free list: not live, no owner."""
+    pages = _pages(live, ids)
+    live.flags.index_fill_(0, pages, 0)
+    if live.owner is not None:
+        live.owner.index_fill_(0, pages, 0)
+
+
+def clear(live: Live) -> None:
+    """Everything went back (the allocator's clear): zeroed in place."""
+    live.flags.zero_()
+    if live.owner is not None:
+        live.owner.zero_()

@@ -1,0 +1,67 @@
+"""Step check: the forward-step hook, and the one check of each step's slot ids.
+
+sglang runs every forward pass through `ModelRunner.forward(forward_batch, ...)` (all
+releases of the matrix). Wrapping it gives the guard a step boundary:
+
+- the deferred GPU records are read there (no sync);
+- `forward_batch.out_cache_loc` is checked once, before any layer runs, against the
+  pool it targets (`targets.POOL_IDS`) and, with liveness on, its shadow: whatever
+  writer uses those ids next (a pool method, a fused kernel, an attention op that
+  writes K/V itself) is covered, and the layers' probes of the same ids object in
+  the same step are served the step's result (`writes.check_write`'s memo);
+- the step is numbered and its batch remembered (`steps`), so a report read later
+  names the request and the token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .guard import Guard
+from .report import KVOutOfBoundsError
+from .targets import POOL_IDS
+from .writes import check_write
+
+
+def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> None:
+    """A step boundary: report what landed, then check this step's out_cache_loc."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    guard.calls.depth += 1  # first: step_end undoes it whatever fails below
+    guard.steps.begin(runner, batch, capturing)
+    guard.calls.memo.clear()
+    for state in list(guard.states):  # the copy the last step's end started (step_end starts the next)
+        guard.publish(state, state.record.poll(restart=False))
+    loc = getattr(batch, "out_cache_loc", None)
+    if isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size"):
+        check_write(guard, pool, guard.step_site, 0, loc, POOL_IDS.high(pool), lambda: -1)
+
+
+def step_end(guard: Guard) -> None:
+    """The step's probes are enqueued: start each record's copy, read at the next step."""
+    guard.calls.depth -= 1
+    guard.calls.memo.clear()
+    for state in list(guard.states):
+        state.record.start_copy()
+
+
+def make_forward_hook(guard: Guard, pool_attr: str) -> Any:
+    """The wrapt wrapper for ModelRunner.forward: the step boundary (reports), then one
+    check of out_cache_loc against the runner's pool, then the forward itself."""
+
+    def wrapper(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
+        batch = args[0] if args else kwargs.get("forward_batch")
+        try:
+            step_begin(guard, runner, batch, getattr(runner, pool_attr, None))
+        except KVOutOfBoundsError:
+            step_end(guard)
+            raise
+        except Exception as exc:
+            guard.internal_error("ModelRunner.forward (step check)", exc)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            step_end(guard)
+
+    return wrapper

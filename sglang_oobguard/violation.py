@@ -1,0 +1,169 @@
+"""Violation: the one schema of a report, and every text rendered from it.
+
+The log line, the report file's JSON, `KVOutOfBoundsError`, `doctor` and `summary`
+all render this frozen dataclass; nothing keeps a second copy of its fields. Site
+ids (what a device record stores) are numbered here too, since a record names its
+site by number and the report by label.
+
+Standard library only: `summary` reads report files without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+class Kind(enum.IntEnum):
+    """What was wrong with the first bad id of a record (its `kind` field)."""
+
+    BOUNDS = 0  # outside [0, high)
+    FREED = 1  # inside, on a slot the allocator does not hold as handed out (liveness)
+    DOUBLE_FREE = 2  # a free of a slot that is not handed out (liveness)
+    OTHER_REQUEST = 3  # out_cache_loc differs from the token's own slot in req_to_token (write map)
+    DUPLICATE = 4  # the same slot written by two tokens of one forward step
+    SHARED_ROW = 5  # two requests of one forward step share a req_to_token row
+    OWNED = 6  # written by one request while another running request owns the slot (liveness)
+
+
+# Site ids: a probe record stores an int, the report shows the label it stands for.
+_SITE_LABELS: list[str] = []
+_SITE_IDS: dict[str, int] = {}
+_FREE_PARAMS: dict[int, str] = {}  # free sites (allocator methods): site id -> the freed ids' name
+
+
+def site_id(label: str) -> int:
+    """The id of a label, the same for every method that shares it."""
+    site = _SITE_IDS.get(label)
+    if site is None:
+        site = _SITE_IDS[label] = len(_SITE_LABELS)
+        _SITE_LABELS.append(label)
+    return site
+
+
+def free_site_id(label: str, param: str) -> int:
+    """The id of an allocator free site, e.g. "free (TokenToKVPoolAllocator)"."""
+    site = site_id(label)
+    _FREE_PARAMS[site] = param
+    return site
+
+
+def free_param(site: int) -> Optional[str]:
+    """The freed ids' parameter name when `site` is a free site, else None."""
+    return _FREE_PARAMS.get(site)
+
+
+def is_site_label(label: object) -> bool:
+    return label in _SITE_IDS
+
+
+def site_label(site: int) -> str:
+    return _SITE_LABELS[site] if 0 <= site < len(_SITE_LABELS) else f"site {site}"
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One pool's bad write (or, with liveness, bad free): the first bad call in
+    detail, plus running totals."""
+
+    label: str
+    pool: str
+    layer: int  # -1: the caller passed no layer
+    high: int  # ids must lie in [0, high)
+    bad: int
+    numel: int
+    pos: int
+    value: int
+    total_bad: int
+    calls: int
+    freed: Optional[str] = None  # a free site: the name of the freed ids' parameter
+    kind: str = "bounds"  # Kind's name, lower case
+    # Where in serving (a write inside a forward step; see `steps`): -1 / None when unknown.
+    step: int = -1  # the process's forward step number
+    mode: Optional[str] = None  # sglang's forward mode: extend, decode, target_verify, draft_extend, idle, ...
+    batch_size: Optional[int] = None
+    request: Optional[str] = None  # the writing request's rid (before rids: its req_pool_indices entry)
+    token: Optional[int] = None  # the position of the token within its request
+    ranks: Optional[str] = None  # "tp 1, pp 0, dp 0"
+    # The other side of an ownership violation (write map, duplicate, owner check).
+    expected: int = -1  # the token's own slot per req_to_token (-1: not checked)
+    owner: Optional[str] = None  # the request that holds the slot: its rid, or "req_to_token row R"
+    owner_token: Optional[int] = None  # the position at which the owner holds the slot
+
+    @classmethod
+    def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
+        """A pool's record (record.Record), as the report names it; `where`: the step
+        and request fields."""
+        return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
+                   record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
+                   Kind(record.kind).name.lower(), expected=record.expected, **where)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report file's JSON object."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "Violation":
+        """Read back from a report file (fields this release does not know are dropped)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})
+
+    def what(self) -> str:
+        """What was wrong, for the first bad id."""
+        name = self.freed or "loc"
+        at = f"{name}[{self.pos}] = {self.value}"
+        more = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
+        if self.kind == "bounds" or not 0 <= self.value < self.high:
+            return f"{self.bad} of {self.numel} slot ids outside [0, {self.high}): {at}"
+        if self.kind in ("freed", "double_free"):
+            return f"{at} is not allocated ({'double free' if self.freed else 'freed'}){more}"
+        if self.kind == "other_request":
+            return f"{at} is not this token's slot (req_to_token holds {self.expected}){more}"
+        if self.kind == "duplicate":
+            return f"{at} is written by two tokens of this forward step{more}"
+        if self.kind == "shared_row":
+            return f"req_pool_indices[{self.pos}] = {self.value} is shared by two requests of this forward step"
+        return f"{at} is owned by another running request{more}"
+
+    def context(self) -> str:
+        """Where in serving it happened, when known: step, mode, batch, both requests, ranks."""
+        parts = []
+        if self.step >= 0:
+            parts.append(f"step {self.step}" + (f" ({self.mode}, batch {self.batch_size})" if self.mode else ""))
+        if self.request is not None:
+            parts.append(f"request {self.request}" + (f" token {self.token}" if self.token is not None else ""))
+        if self.owner is not None:
+            parts.append(f"owner request {self.owner}" +
+                         (f" token {self.owner_token}" if self.owner_token is not None else ""))
+        if self.ranks:
+            parts.append(self.ranks)
+        return "; ".join(parts)
+
+    def __str__(self) -> str:
+        head = f"{self.label}: " if self.freed or self.layer < 0 else f"{self.label} layer {self.layer}: "
+        return head + self.what()
+
+    def described(self) -> str:
+        """The one-line report: the violation, its pool, and where in serving."""
+        context = self.context()
+        return f"{self} (pool {self.pool})" + (f"; {context}" if context else "")
+
+    def contained(self) -> str:
+        """What warn mode did about it, in words."""
+        if self.freed:
+            return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
+        return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
+
+
+def assert_text(site: int, bound: str, liveness: bool) -> str:
+    """The device-side assert text of a site (strict mode on a GPU): a compile-time
+    constant, under CUDA's 256 bytes."""
+    what = f"KV slot id outside [0, {bound})"
+    if free_param(site):
+        what = "freed id outside the pool, or not allocated (double free)"
+    elif liveness:
+        what += ", or not allocated"
+    return (f"sglang_oobguard: {site_label(site)}: {what}; "
+            "rerun with SGLANG_OOBGUARD_MODE=raise for the report")[:255]
