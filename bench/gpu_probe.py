@@ -175,7 +175,7 @@ def probe_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
 def split_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
     """Large prefill chunks: the probe as one program walking every id, against the
     split over several programs that fold with atomics (probe.SPLIT_ABOVE), in a graph."""
-    from sglang_oobguard import kernels as probe, shadow
+    from sglang_oobguard import kernels as probe
 
     make = direct_probe(device)
     rows = []

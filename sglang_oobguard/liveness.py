@@ -31,7 +31,7 @@ from .guard import Guard
 from .log import logger
 from .pools import PoolState
 from .report import KVOutOfBoundsError
-from .targets import BASE_CLASS, MEMORY_POOL, POOL_OF_ALLOCATOR, TRACKED_ALLOCATORS, Role
+from .targets import ALLOCATOR_METHODS, BASE_CLASS, MEMORY_POOL, POOL_OF_ALLOCATOR, TRACKED_ALLOCATORS, Role
 from .violation import free_site_id
 
 LIVE_ATTR = "_oobguard_live"  # on a tracked allocator: its pool's PoolState

@@ -7,8 +7,6 @@ functions: a cycle hidden by a lazy import is still a cycle.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
-
 from helpers import ROOT
 
 PACKAGE = ROOT / "sglang_oobguard"

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_oobguard import hostscan, kernels, shadow
+from sglang_oobguard import hostscan, kernels
 from sglang_oobguard.record import Record, fold_host
 
 
