@@ -70,3 +70,27 @@ def test_every_module_says_its_job_in_its_first_docstring_line():
     for path in PACKAGE.glob("*.py"):
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc and doc.splitlines()[0].strip(), path.name
+
+
+def test_pyflakes_finds_no_undefined_or_unused_name():
+    """A name used but never imported fails only where its line runs: some run on a GPU alone."""
+    from pyflakes.api import checkPath
+    from pyflakes.reporter import Reporter
+
+    class Collect(Reporter):
+        def __init__(self) -> None:
+            self.messages: list[str] = []
+
+        def flake(self, message) -> None:
+            self.messages.append(str(message))
+
+        def syntaxError(self, *args) -> None:
+            self.messages.append(f"syntax error: {args}")
+
+        def unexpectedError(self, filename, message) -> None:
+            self.messages.append(f"{filename}: {message}")
+
+    found = Collect()
+    for path in sorted(PACKAGE.glob("*.py")):
+        checkPath(str(path), found)
+    assert found.messages == []
