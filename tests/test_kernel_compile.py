@@ -38,7 +38,8 @@ for loc_type, lens, live in (("i32", False, False), ("i64", False, False), ("i64
     variants[name] = (kernels._oob_probe_kernel, {
         "loc_ptr": "*" + loc_type, "n": "i32", "stride": "i64", "lens_ptr": "*i32", "row_len": "i32",
         "row_stride": "i64", "high": "i64", "site": "i32", "layer": "i32", "record_ptr": "*i64",
-        "scratch_ptr": "*i64", "step_ptr": "*i64", "live_ptr": "*i32", "live_page": "i32", "clean_ptr": "*" + loc_type,
+        "scratch_ptr": "*i64", "step_ptr": "*i64", "live_ptr": "*i32", "live_page": "i32", "live_high": "i64",
+        "clean_ptr": "*" + loc_type,
         "chunk": "i32"}, {"HAS_LENS": lens, "HAS_LIVE": live, "COPY": True})
 for exclusive in (False, True):
     variants["free" + ("-exclusive" if exclusive else "")] = (kernels._free_probe_kernel, {
