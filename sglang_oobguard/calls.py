@@ -30,11 +30,3 @@ class CallState(threading.local):
         # whether that is a copy in the pool's buffer).
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.capturing = False  # the memo belongs to a graph capture
-
-    def memo_on(self, capturing: bool) -> bool:
-        """Whether the memo serves: inside a forward step, or while a graph is
-        captured (a capture starts a memo of its own, so each graph holds its probe)."""
-        if capturing != self.capturing:
-            self.capturing = capturing
-            self.memo.clear()
-        return capturing or self.depth > 0

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import hostscan, kernels
-from .config import Mode
+from .config import Backend, Mode
 from .discover import Found
 from .guard import Guard
 from .log import logger
@@ -23,6 +23,8 @@ from .pools import RING, STATE_ATTR, PoolState, region
 from .report import KVOutOfBoundsError
 from .shadow import Live
 from .violation import is_site_label
+
+SMALL = 32  # up to this many ids a Python list is the quickest host check
 
 
 def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tensor, high: int,
@@ -33,14 +35,25 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
     state = pool.__dict__.get(STATE_ATTR) or guard.attach(pool, loc.device)
     live = state.live if slots else None
     calls = guard.calls
-    capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+    if loc.is_cuda:
+        capturing = torch.cuda.is_current_stream_capturing()
+        host = guard.config.backend is Backend.TORCH and not capturing
+    else:
+        capturing, host = False, guard.config.backend is not Backend.TRITON
+    if capturing != calls.capturing:  # a capture starts a memo of its own, so each graph holds its probe
+        calls.capturing = capturing
+        calls.memo.clear()
     key = None
-    if calls.memo_on(capturing):
+    if capturing or calls.depth:
         key = (id(pool), high, param, id(loc), id(lens), live is not None)
         hit = calls.memo.get(key)
         if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for.get(hit[3]) is loc):
             return hit[1]
-    if guard.on_host(loc):
+    if host:
+        if lens is None and live is None and loc.dim() == 1 and loc.numel() <= SMALL:  # the common clean write
+            few = loc.tolist()
+            if not few or (min(few) >= 0 and max(few) < high):
+                return loc
         passed = _scan(guard, state, site, loc, high, layer, lens, live)
         where = -1
     else:
