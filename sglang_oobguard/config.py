@@ -33,11 +33,11 @@ class Mode(str, enum.Enum):
 
 
 class Backend(str, enum.Enum):
-    """Which probe runs. AUTO: Triton on CUDA tensors, plain torch on CPU tensors."""
+    """Which probe runs (`BACKEND_PATHS` says where, in the words the activation line and doctor use)."""
 
     AUTO = "auto"
-    TORCH = "torch"  # immediate host check; CPU tensors only
-    TRITON = "triton"  # the fused kernel, reported deferred (CPU needs TRITON_INTERPRET=1)
+    TORCH = "torch"  # the host scan on every tensor (a host sync per write on an accelerator)
+    TRITON = "triton"  # the kernel on every tensor, reported deferred (a CPU needs TRITON_INTERPRET=1)
 
 
 # What each backend runs where: said in the activation line and by doctor, because the
