@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import probe
+from . import device as seam  # [gpu] the CUDA runtime seam
+from . import flush, probe
 from .config import Backend, Config, Mode
 from .discover import Found
 from .record import PoolRecord, Record, fold_host
@@ -49,19 +50,21 @@ class PoolState:
         self._raw_stream = 0
         # Cleaned copies: one region per id parameter (move_kv_cache has two), sized to
         # the pool's slots at build time; views are cached per (region, dtype, shape).
-        self._capacity = int(pool.size) + int(pool.page_size) if device.type == "cuda" else 0
-        self._copies = torch.empty(2 * self._capacity, dtype=torch.int64, device=device)
+        self._capacity = int(pool.size) + int(pool.page_size) if seam.is_gpu(device) else 0  # [gpu] seam
+        self._copies = torch.zeros(2 * self._capacity, dtype=torch.int64, device=device)  # [gpu] zeros: padding slot 0
         self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
         self.copied_for: list[Optional[torch.Tensor]] = [None, None]  # per region: the ids its copy was made of
 
-    def copy_for(self, region: int, loc: torch.Tensor) -> torch.Tensor:
-        """A contiguous tensor like `loc` in this pool's copy buffer."""
+    def copy_for(self, region: int, loc: torch.Tensor) -> Optional[torch.Tensor]:
+        """A contiguous tensor like `loc` in this pool's copy buffer; None on the GPU
+        branch when `loc` has more ids than the buffer (sized before any capture, never
+        grown): the write is then probed without containment."""
         key = (region, loc.dtype, loc.shape)
         view = self._views.get(key)
         if view is None:
             n = loc.numel()
-            if n > self._capacity:  # more ids than slots: grow once (never the case in sglang's own calls)
-                self._capacity = n
+            if n > self._capacity:  # more ids than slots (never the case in sglang's own calls)
+                self._capacity = n  # the CPU: grow once
                 self._copies = torch.empty(2 * n, dtype=torch.int64, device=self.device)
                 self._views.clear()
             base = self._copies[region * self._capacity:(region + 1) * self._capacity]
@@ -71,22 +74,22 @@ class PoolState:
             self._views[key] = view
         return view
 
-    def saw_stream(self, device_index: int) -> None:
+    def saw_stream(self, where: torch.device) -> None:
         """Remember the stream a write probe was enqueued on (a cheap raw-pointer test)."""
-        raw = torch._C._cuda_getCurrentRawStream(device_index)
+        raw = seam.stream_id(where)  # [gpu] seam
         if raw != self._raw_stream:
             self._raw_stream = raw
-            self.probe_stream = torch.cuda.current_stream(device_index)
+            self.probe_stream = seam.current_stream(where)  # [gpu] seam
 
     def after_probes(self) -> None:
         """Order what the current stream does next (a shadow update) after every
         write probe enqueued so far on the probing stream: a stream wait, no host sync."""
         stream = self.probe_stream
-        if stream is None or torch.cuda.is_current_stream_capturing():
+        if stream is None or seam.capturing():  # [gpu] seam
             return
-        current = torch.cuda.current_stream(stream.device)
+        current = seam.current_stream(self.device)  # [gpu] seam
         if current != stream:
-            current.wait_stream(stream)
+            seam.wait(current, stream)  # [gpu] seam
 
 
 class Guard:
@@ -128,8 +131,8 @@ class Guard:
         """The host scan serves CPU tensors (backend auto or torch), and CUDA tensors
         only when asked (torch) and not while a CUDA graph is captured."""
         backend = self.config.backend
-        if ids.is_cuda:
-            return backend is Backend.TORCH and not torch.cuda.is_current_stream_capturing()
+        if seam.is_gpu(ids):  # [gpu] seam
+            return backend is Backend.TORCH and not seam.capturing()
         return backend is not Backend.TRITON
 
     def check_write(self, pool: Any, site: int, region: int, loc: torch.Tensor, high: int,
@@ -156,7 +159,7 @@ class Guard:
     def _memo_on(self, loc: torch.Tensor) -> bool:
         """Inside a forward step, or while a graph is captured: a capture starts a memo
         of its own, so each captured graph holds its probe."""
-        capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = seam.is_gpu(loc) and seam.capturing()  # [gpu] seam
         if capturing != self._capturing:
             self._capturing = capturing
             self._memo.clear()
@@ -173,14 +176,17 @@ class Guard:
             return probe.cleaned(loc, high, lens, live)  # warn mode: the others raised
         if not loc.numel():
             return loc
-        asserts = self.config.mode is Mode.STRICT and loc.is_cuda  # the assert stops the stream before the write
+        asserts = self.config.mode is Mode.STRICT and seam.is_gpu(loc)  # [gpu] seam. The assert stops the stream before the write
         clean = None if asserts else state.copy_for(region, loc)  # (Triton's interpreter asserts nothing)
         probe.launch(loc, high, site, layer(), state.record.tensor, state.scratch, self.steps.counter(state.device),
                      clean, self.message(site) if asserts else None, lens, live)
+        if clean is None and not asserts and self.first_time(f"uncontained {state.serial}"):  # [gpu]
+            logger.warning("sglang_oobguard: a write of %d ids to %s exceeds its copy buffer (%d): probed "
+                           "without containment", loc.numel(), state.pool_name, state._capacity)
         if clean is not None:
             state.copied_for[region] = loc
-        if loc.is_cuda:
-            state.saw_stream(loc.device.index)
+        if seam.is_gpu(loc):  # [gpu] seam
+            state.saw_stream(loc.device)
         self.launched(state)
         return loc if clean is None else clean
 
@@ -225,7 +231,8 @@ class Guard:
         self._marked.append((weakref.ref(obj), attr))
 
     def forget(self) -> None:
-        """Take our attributes off sglang's objects again (uninstall)."""
+        """Take our attributes off sglang's objects again (uninstall). The GPU pools'
+        buffers stay alive for the process: a captured graph may replay their probes."""
         for ref, attr in self._marked:
             obj = ref()
             if obj is not None:
@@ -236,7 +243,7 @@ class Guard:
         state = PoolState(pool, device)
         self.mark(pool, STATE_ATTR, state)
         self.states.add(state)
-        if device.type == "cuda":
+        if seam.is_gpu(device):  # [gpu] seam
             self.warm_up(state, pool.__dict__.get(SITES_ATTR) or self._sites(type(pool)))
         return state
 
@@ -258,7 +265,7 @@ class Guard:
         for dtype in (torch.int64, torch.int32):
             loc = torch.empty(0, dtype=dtype, device=state.device)
             for site, with_lens in sites.items():
-                for lens in (None, torch.empty(0, 0, dtype=dtype, device=state.device))[:1 + with_lens]:
+                for lens in (None, torch.empty(0, 1, dtype=dtype, device=state.device))[:1 + with_lens]:  # [gpu] (0, 0) made lens[:, 0] raise IndexError: no warm-up
                     for live in lives:
                         probe.launch(loc if lens is None else lens, 1, max(site, 0), -1, state.record.tensor,
                                      state.scratch, self.steps.counter(state.device), None if strict else loc,

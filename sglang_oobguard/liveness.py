@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from . import device as seam  # [gpu] the CUDA runtime seam
 from . import probe
 from .config import Mode
 from .discover import Method, by_design, pool_classes
@@ -103,9 +104,16 @@ def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Cal
 def _backup(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
     result = call()
     if state.live is not None:
-        _quietly(guard, "backup_state", lambda: _update(
-            state, lambda live: guard.mark(allocator, BACKUP_ATTR, live.flags.clone())))
+        _quietly(guard, "backup_state", lambda: _backup_into(guard, allocator, state))
     return result
+
+
+def _backup_into(guard: Guard, allocator: Any, state: PoolState) -> None:
+    """[gpu] The backup buffer is made on the host now, its copy enqueued (a device op)."""
+    assert state.live is not None
+    saved = torch.empty_like(state.live.flags)
+    guard.mark(allocator, BACKUP_ATTR, saved)
+    _update(state, lambda live: saved.copy_(live.flags))
 
 
 def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
@@ -190,9 +198,9 @@ def _counted(guard: Guard, allocator: Any, family: str, call: _Call) -> Any:
 def _update(state: PoolState, change: Callable[[probe.Live], Any]) -> None:
     """A shadow update, ordered after the write probes enqueued so far."""
     assert state.live is not None
-    if state.live.flags.is_cuda:
+    if seam.is_gpu(state.live.flags):  # [gpu] seam
         state.after_probes()
-    change(state.live)
+    seam.enqueue(change, state.live)  # [gpu] seam: a device op on the current stream
 
 
 def _quietly(guard: Guard, where: str, work: Callable[[], Any]) -> None:
@@ -237,7 +245,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT
     probe.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
-                      guard.message(site) if strict and ids.is_cuda else None)
+                      guard.message(site) if strict and seam.is_gpu(ids) else None)  # [gpu] seam
     guard.launched(state)
     return None
 
@@ -276,12 +284,30 @@ def _start(guard: Guard, allocator: Any) -> None:
     pages = -(-high // page)
     if state.live is None or state.live.page != page or state.live.flags.numel() != pages:
         state.live = probe.new_live(pages, page, state.device)
-        if state.device.type == "cuda":
+        if seam.is_gpu(state.device):  # [gpu] seam
             _warm_up_frees(guard, state, type(allocator))
     else:
         _update(state, lambda live: live.flags.zero_())
     guard.mark(allocator, LIVE_ATTR, state)
     allocator.__dict__.pop(BACKUP_ATTR, None)
+
+
+def _restart_in_place(guard: Guard, state: PoolState, pages: int, page: int) -> None:
+    """[gpu] A new shadow of `pages` flags (a clear(), or a resize) in the buffer the
+    old one lives in, zeroed in place: a captured graph's probe points into it. Only a
+    shadow larger than any before needs a new buffer; the old one is then kept for
+    the process (a replay of an earlier graph reads it, not freed memory), and the
+    log says that those graphs check a retired shadow until they are captured again."""
+    assert state.live is not None
+    flags = state.live.flags
+    base = flags if flags._base is None else flags._base
+    if pages > base.numel():
+        seam.retain(base)
+        base = torch.zeros(pages, dtype=torch.int32, device=state.device)
+        logger.warning("sglang_oobguard: the liveness shadow of %s grew to %d pages: a CUDA graph captured "
+                       "before checks the retired shadow until it is captured again", state.pool_name, pages)
+    state.live = probe.Live(base[:pages], page, None)
+    _update(state, lambda live: base.zero_())
 
 
 def _warm_up_frees(guard: Guard, state: PoolState, cls: type) -> None:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton import knobs as _knobs
 
+from . import device as seam  # [gpu] the CUDA runtime seam
 from .record import OFFSET, Kind, Record
 
 # Below this many ids a Python list beats a torch reduction on the host path.
@@ -387,8 +388,8 @@ def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Te
             loc if clean is None else clean,  # unwritten without COPY
             chunk)
     # debug keeps tl.device_assert compiled in
-    _launch(_oob_probe_kernel, grid, _key(_oob_probe_kernel, loc, lens, high, constexprs), args, constexprs,
-            message is not None)
+    seam.enqueue(_launch, _oob_probe_kernel, grid, _key(  # [gpu] seam
+                 _oob_probe_kernel, loc, lens, high, constexprs), args, constexprs, message is not None)
 
 
 @triton.jit(do_not_specialize=["n", "stride", "high", "site", "layer", "live_page"],
@@ -440,5 +441,5 @@ def launch_free(ids: torch.Tensor, high: int, site: int, record: torch.Tensor, s
     flat = ids if ids.dim() == 1 else ids.reshape(-1)
     constexprs = dict(EXCLUSIVE=live.page == 1, ASSERT=message is not None, MESSAGE=message or "", BLOCK=PROBE_BLOCK)
     args = (flat, flat.numel(), flat.stride(0), high, site, -1, record, step, live.flags, live.page)
-    _launch(_free_probe_kernel, 1, _key(_free_probe_kernel, flat, None, high, constexprs), args, constexprs,
-            message is not None)
+    seam.enqueue(_launch, _free_probe_kernel, 1, _key(  # [gpu] seam
+                 _free_probe_kernel, flat, None, high, constexprs), args, constexprs, message is not None)

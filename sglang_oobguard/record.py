@@ -16,6 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import device as device_mod
+
 
 class Kind(enum.IntEnum):
     """What was wrong with the first bad id of a record (its `kind` field)."""
@@ -65,10 +67,10 @@ class PoolRecord:
 
     def __init__(self, device: torch.device) -> None:
         self.tensor = torch.zeros(RECORD_LEN, dtype=torch.int64, device=device)
-        on_gpu = device.type == "cuda"
-        self._mirror = torch.zeros(RECORD_LEN, dtype=torch.int64, pin_memory=on_gpu)
+        on_gpu = device_mod.is_gpu(device)
+        self._mirror = device_mod.pinned(self.tensor)
         self._mirror_view = self._mirror.numpy()  # plain memory reads: no torch op, no sync
-        self._copied: Optional[torch.cuda.Event] = torch.cuda.Event() if on_gpu else None
+        self._copied = device_mod.event(device)
         self._pending = False  # a mirror copy was enqueued and not read yet
         self.reported = 0  # violating calls already reported
 
@@ -77,7 +79,7 @@ class PoolRecord:
         copy; a step boundary leaves that to the step's end. Never waits: an unfinished
         copy is left for the next poll; None when nothing new can be read yet (and
         under graph capture, when no copy may be enqueued)."""
-        if self._copied is not None and torch.cuda.is_current_stream_capturing():
+        if self._copied is not None and device_mod.capturing():
             return None
         if self._pending and self._copied is not None and not self._copied.query():
             return None
@@ -90,16 +92,16 @@ class PoolRecord:
     def start_copy(self) -> None:
         """Enqueue the mirror's refresh behind what the stream has enqueued so far (a
         step's end: its probes), so the next poll can read it. Not under graph capture."""
-        if self._copied is not None and torch.cuda.is_current_stream_capturing():
+        if self._copied is not None and device_mod.capturing():
             return
-        self._mirror.copy_(self.tensor, non_blocking=True)
+        device_mod.copy_async(self._mirror, self.tensor)
         if self._copied is not None:
             self._copied.record()
         self._pending = True
 
     def read_now(self) -> Record:
         """The record as it is now (a host read: may sync on a GPU)."""
-        return Record(*self.tensor.tolist())
+        return Record(*device_mod.read(self.tensor))
 
     def unreported(self, record: Optional[Record]) -> bool:
         """True once per new violating call count: the caller then reports `record`."""
@@ -107,3 +109,6 @@ class PoolRecord:
             return False
         self.reported = record.calls
         return True
+
+
+SLOTS = 1

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from . import device as seam  # [gpu] the CUDA runtime seam
+
 LAYOUTS_KEPT = 32  # steps whose layout a late report can still name
 
 
@@ -115,10 +117,10 @@ class Steps:
     def begin(self, runner: Any, batch: Any) -> Layout:
         self.number += 1
         self.depth += 1  # first: the hook's step_end undoes it whatever fails below
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        capturing = seam.capturing()  # [gpu] seam
         for counter in self._counters.values():
-            if not (counter.is_cuda and capturing):
-                counter.fill_(self.number)
+            if not (seam.is_gpu(counter) and capturing):  # [gpu] seam
+                seam.enqueue(counter.fill_, self.number)  # [gpu] seam: in stream order with the probes
         self._layouts.append(layout(self.number, self._ranks_of(runner), batch))
         return self._layouts[-1]
 

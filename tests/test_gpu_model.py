@@ -1,0 +1,277 @@
+"""The guard's GPU path on the CPU, under a model of the device's timing (tests/devmodel.py):
+records read back late, a host steps ahead of the device, graphs that hold pointers,
+two streams. The pools and allocators are sglang's real classes; the probe kernels run
+in Triton's interpreter when the model runs them.
+
+What only a device proves: the device-side assert's trap (the interpreter asserts
+nothing: strict mode here shows the record and the absent copy, not the trap), real
+concurrency between streams and inside a kernel (the model runs one op at a time, in
+an order events and waits allow, adversarially), and timings."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+import sglang_oobguard
+from devmodel import GraphError, Model
+from helpers import Layer, as_write_loc, mha, run_python, token_allocator
+from sglang_oobguard import KVOutOfBoundsError, flush, record
+
+LAYERS, HIGH = 4, 65
+
+
+@pytest.fixture
+def runner(mp, monkeypatch):
+    """sglang's ModelRunner.forward with the guard's step hook, its model replaced
+    (test-only) by one write per layer at the batch's out_cache_loc through the real pool."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    def make(pool):
+        run = ModelRunner.__new__(ModelRunner)
+        run.token_to_kv_pool, run.tp_rank, run.pp_rank, run.dp_rank = pool, 0, 0, 0
+        hooked = ModelRunner.__dict__["forward"]
+        assert hasattr(hooked, "__wrapped__"), "the guard did not hook ModelRunner.forward"
+
+        def layers(self, batch, *args, **kwargs):
+            k = torch.ones(batch.out_cache_loc.numel(), 2, 4)
+            for layer in range(LAYERS):
+                self.token_to_kv_pool.set_kv_buffer(Layer(layer), as_write_loc(mp, batch.out_cache_loc), k, k)
+            return "output"
+
+        monkeypatch.setattr(hooked, "__wrapped__", layers)
+        return run
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def sglang_imported_lazily(mp):
+    """sglang's first write imports a module lazily, and that import's retained frames
+    hold the first write's arguments for the process (a guarded first write's copy
+    buffer included): make that first write here, unguarded, so the graph tests see
+    the guard's own references only."""
+    k = torch.ones(1, 2, 4)
+    mha(mp).set_kv_buffer(Layer(0), torch.tensor([1]), k, k)
+
+
+def decode_batch(loc):
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    size = loc.numel()
+    seq_lens = [4] * size
+    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=size, input_ids=torch.zeros(size, dtype=torch.int64),
+                         req_pool_indices=torch.arange(size), seq_lens=torch.tensor(seq_lens),
+                         out_cache_loc=loc, seq_lens_sum=sum(seq_lens))
+    batch.seq_lens_cpu, batch.rids = torch.tensor(seq_lens), [f"r{i}" for i in range(size)]
+    return batch
+
+
+def first_report_step(run, model, bad_step: int, steps: int) -> int:
+    """Run `steps` forward steps (the device `model.lag` steps behind), step `bad_step`
+    with a bad id; the step at whose boundary the violation was first reported (-1: none)."""
+    for step in range(steps):
+        loc = torch.tensor([1, 2, HIGH + 5 if step == bad_step else 3])
+        run.forward(decode_batch(loc))
+        model.host_step()
+        if sglang_oobguard.violations():
+            return step
+    return -1
+
+
+# -- 1. reports under overlap -------------------------------------------------------
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+def test_a_violation_in_step_n_is_reported_at_step_n_plus_lag_plus_1(mp, guard, runner, lag):
+    """The worst-case delay, proven: with the host `lag` steps ahead (sglang's overlap
+    scheduler: 1), a violation recorded in step N is reported at step N + lag + 1's
+    boundary, and not before (the copy that holds it has not landed)."""
+    with Model(lag=lag) as model:
+        guard("warn")
+        pool = mha(mp)
+        run = runner(pool)
+        bad = 3
+        reported = first_report_step(run, model, bad, bad + 8)
+        assert reported == bad + lag + 1, f"lag {lag}: reported at step {reported}"
+        (v,) = sglang_oobguard.violations()
+        assert (v.step, v.value, v.request) == (bad, HIGH + 5, "r2")
+
+
+def test_reports_do_not_starve_over_many_steps(mp, guard, runner):
+    """A violation every 4th step, the host one step ahead: each is read 2 steps later."""
+    with Model(lag=1) as model:
+        guard("warn")
+        run = runner(mha(mp))
+        state = run.token_to_kv_pool._oobguard_state
+        seen = []
+        for step in range(16):
+            loc = torch.tensor([1, 2, HIGH + step if step % 4 == 1 else 3])
+            run.forward(decode_batch(loc))
+            model.host_step()
+            seen.append(state.record.reported)
+        assert seen == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4], seen
+        assert state.record.skipped == 0
+
+
+def test_a_lag_beyond_the_ring_still_reports(mp, guard, runner):
+    """More steps in flight than slots: a copy is skipped while the ring is full, and
+    a later one carries it (the record only grows)."""
+    lag = record.SLOTS + 1
+    with Model(lag=lag) as model:
+        guard("warn")
+        run = runner(mha(mp))
+        reported = first_report_step(run, model, 0, 3 * lag)
+        assert 0 < reported <= 2 * lag + 1, reported
+        assert run.token_to_kv_pool._oobguard_state.record.skipped > 0
+
+
+def test_idle_flush_reports_the_last_steps_violation(mp, guard, runner):
+    """No step follows the bad one (an idle server): the idle flusher's looks read it,
+    without a sync: the first look sees the steps stop, the next polls."""
+    with Model(lag=1) as model:
+        guard("warn")
+        run = runner(mha(mp))
+        for step in range(3):
+            run.forward(decode_batch(torch.tensor([1, 2, HIGH + 1 if step == 2 else 3])))
+            model.host_step()
+        guard_obj = sglang_oobguard.patch._active.guard
+        seen: dict = {}
+        flush.idle_tick(guard_obj, seen)  # first look: steps ran since the last
+        assert sglang_oobguard.violations() == []
+        model.run()  # the device goes idle: the last step's copy lands
+        flush.idle_tick(guard_obj, seen)
+        (v,) = sglang_oobguard.violations()
+        assert (v.step, v.value) == (2, HIGH + 1)
+        assert model.counts["event_syncs"] == 0
+
+
+def test_exit_flush_waits_for_the_device(mp, guard, runner):
+    with Model(lag=2) as model:
+        guard("warn")
+        run = runner(mha(mp))
+        run.forward(decode_batch(torch.tensor([1, HIGH + 2, 3])))
+        model.host_step()
+        assert sglang_oobguard.violations() == []
+        flush.at_exit()
+        (v,) = sglang_oobguard.violations()
+        assert v.value == HIGH + 2
+
+
+WARN_EXIT = """
+import os, torch, sglang_oobguard
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+sglang_oobguard.install()
+class Layer:
+    layer_id = 1
+pool = MHATokenToKVPool(64, 1, torch.float32, 2, 4, 2, "cpu", False)
+k = torch.ones(2, 2, 4)
+pool.set_kv_buffer(Layer, torch.tensor([1, 2]), k, k)
+pool.set_kv_buffer(Layer, torch.tensor([3, 70]), k, k)  # the last write: recorded on the device
+print("exiting", flush=True)
+"""
+
+
+def test_warn_mode_on_the_kernel_path_reports_a_last_write_at_exit(tmp_path):
+    """The user-visible defect: warn mode, the kernel path, a bad id in the last write,
+    a normal exit: the warning is printed, the report file has its line, and
+    `report` exits 1."""
+    folder = tmp_path / "reports"
+    proc = run_python(WARN_EXIT, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_BACKEND": "triton",
+                                  "TRITON_INTERPRET": "1", "SGLANG_OOBGUARD_REPORT_DIR": str(folder)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exiting" in proc.stdout
+    print(proc.stderr[-1500:])
+    assert "loc[1] = 70" in proc.stderr, proc.stderr[-2000:]
+    lines = "".join(p.read_text() for p in folder.glob("oobguard-*.jsonl"))
+    assert '"kind":"violation"' in lines.replace(" ", "")
+    summary = run_python(f"import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['report', {str(folder)!r}]))",
+                         {})
+    print(summary.stdout)
+    assert summary.returncode == 1, summary.stdout
+
+
+# -- 3. buffers a captured graph holds -----------------------------------------------
+
+
+def capture_write(model, pool, loc, k):
+    """sglang's capture: the device synchronized, then one write captured."""
+    model.synchronize()
+    with model.graph() as graph:
+        pool.set_kv_buffer(Layer(0), loc, k, k)
+    return graph
+
+
+def test_the_model_graph_catches_a_freed_buffer():
+    """The model's own check: a captured op's buffer freed, or resized, fails the replay."""
+    from sglang_oobguard import device
+
+    with Model() as model:
+        buf = torch.zeros(4)
+        with model.graph() as graph:
+            device.enqueue(buf.add_, 1)
+        graph.replay()
+        model.run()
+        assert buf.tolist() == [1.0] * 4
+        buf.untyped_storage().resize_(64)
+        with pytest.raises(GraphError, match="resized"):
+            graph.replay()
+        del buf
+        gc.collect()
+        with pytest.raises(GraphError, match="freed"):
+            graph.replay()
+
+
+def test_a_write_larger_than_the_copy_buffer_does_not_move_it(mp, guard, caplog):
+    with Model(eager=True) as model:  # eager: the probe's copy is made before sglang's write reads it
+        guard("warn")
+        pool = mha(mp)
+        k, loc = torch.ones(4, 2, 4), torch.tensor([1, 2, 3, 4])  # sglang's static buffers: alive
+        graph = capture_write(model, pool, loc, k)
+        assert len(graph.ops) == 1
+        big = torch.arange(1, HIGH + 11) % HIGH  # more ids than slots: sglang never does this
+        with caplog.at_level(logging.WARNING, "sglang_oobguard"):
+            pool.set_kv_buffer(Layer(0), big, torch.ones(big.numel(), 2, 4), torch.ones(big.numel(), 2, 4))
+        gc.collect()
+        graph.replay()  # GraphError before the fix: the copy buffer grew (freed, reallocated)
+        model.run()
+        assert "exceeds its copy buffer" in caplog.text
+
+
+def test_uninstall_keeps_what_a_captured_graph_holds(mp, guard):
+    with Model() as model:
+        guard("warn")
+        pool = mha(mp)
+        k, loc = torch.ones(3, 2, 4), torch.tensor([1, 2, 3])
+        graph = capture_write(model, pool, loc, k)
+        sglang_oobguard.uninstall()
+        model.synchronize()
+        gc.collect()
+        graph.replay()  # GraphError before the fix: uninstall freed the record, copy buffer, counter
+        model.run()
+
+
+@pytest.mark.parametrize("size", [48, 96], ids=["shrink", "grow"])
+def test_a_pool_resize_after_capture_keeps_the_captured_shadow(mp, guard, size):
+    """The allocator's clear() after a resize (sglang sizes the KV pool after capture on
+    some paths): the shadow the graph holds must stay where it was."""
+    from sglang.srt.mem_cache import allocator
+
+    with Model() as model:
+        guard("warn", liveness=True)
+        pool = mha(mp)
+        alloc = token_allocator(allocator, pool)
+        loc = alloc.alloc(3)
+        graph = capture_write(model, pool, loc, torch.ones(3, 2, 4))
+        pool.size = size
+        alloc.size = size
+        alloc.clear()
+        model.synchronize()  # the device ran all that was enqueued: only the graph may point at the old shadow
+        gc.collect()
+        graph.replay()  # GraphError before the fix: the shadow was reallocated
+        model.run()
