@@ -64,6 +64,8 @@ class PoolState:
         if view is None:
             n = loc.numel()
             if n > self._capacity:  # more ids than slots (never the case in sglang's own calls)
+                if seam.is_gpu(self.device):  # [gpu] never grown: a captured graph may hold the buffer
+                    return None
                 self._capacity = n  # the CPU: grow once
                 self._copies = torch.empty(2 * n, dtype=torch.int64, device=self.device)
                 self._views.clear()
@@ -119,6 +121,7 @@ class Guard:
         # whether that is a copy in the pool's buffer).
         self._memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self._capturing = False
+        flush.watch(self)  # [gpu] reports reach the folder when the server idles and at exit
 
     def configure(self, config: Config) -> None:
         """New settings for the same wrappers (a second install())."""
@@ -233,6 +236,7 @@ class Guard:
     def forget(self) -> None:
         """Take our attributes off sglang's objects again (uninstall). The GPU pools'
         buffers stay alive for the process: a captured graph may replay their probes."""
+        seam.retain(([state for state in self.states if seam.is_gpu(state.device)], self.steps))  # [gpu]
         for ref, attr in self._marked:
             obj = ref()
             if obj is not None:

@@ -282,7 +282,9 @@ def _start(guard: Guard, allocator: Any) -> None:
     state = guard.state(pool, torch.device(allocator.device))
     high, page = TOKEN_SLOTS.high(pool), int(allocator.page_size)
     pages = -(-high // page)
-    if state.live is None or state.live.page != page or state.live.flags.numel() != pages:
+    if state.live is not None and seam.is_gpu(state.device):  # [gpu] a graph may hold the shadow: keep it
+        _restart_in_place(guard, state, pages, page)
+    elif state.live is None or state.live.page != page or state.live.flags.numel() != pages:
         state.live = probe.new_live(pages, page, state.device)
         if seam.is_gpu(state.device):  # [gpu] seam
             _warm_up_frees(guard, state, type(allocator))
