@@ -197,3 +197,43 @@ def retain(obj: Any) -> None:
     captured graph may still replay a probe that points into them."""
     with _lock:
         _retained.append(obj)
+
+
+class Order:
+    """One pool's ordering of its shadow updates after its write probes (liveness).
+
+    A write probe reads the shadow; an alloc sets flags, a free clears them. sglang
+    allocates and frees on its scheduling stream while the forward stream still
+    probes, with no wait of its own, so the guard orders each shadow update after the
+    write probes already enqueued: a stream wait, no host sync. Only one wait is
+    needed per batch of probes: after the current stream waited for the probing
+    stream, everything it enqueues later runs after those probes; it waits again only
+    once a new probe was enqueued (on any stream: a probe on a new stream counts too).
+    So a step costs one wait however many allocs and frees it makes."""
+
+    __slots__ = ("stream", "_raw", "probes", "_waited")
+
+    def __init__(self) -> None:
+        self.stream: Any = None  # the stream of the latest write probe
+        self._raw: Hashable = None
+        self.probes = 0  # write probes enqueued (on the GPU branch)
+        self._waited: dict[Hashable, int] = {}  # stream id -> `probes` when it last waited
+
+    def probed(self, where: torch.device) -> None:
+        """A write probe was enqueued on the current stream (a cheap raw-pointer test)."""
+        self.probes += 1
+        raw = _active.stream_id(where)
+        if raw != self._raw:
+            self._raw = raw
+            self.stream = _active.current_stream(where)
+
+    def after(self, where: torch.device) -> None:
+        """Order what the current stream enqueues next after every probe so far."""
+        stream = self.stream
+        if stream is None or _active.capturing():
+            return
+        raw = _active.stream_id(where)
+        if raw == self._raw or self._waited.get(raw) == self.probes:
+            return
+        _active.wait(_active.current_stream(where), stream)
+        self._waited[raw] = self.probes

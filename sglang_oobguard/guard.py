@@ -45,9 +45,8 @@ class PoolState:
         self.scratch = torch.tensor(probe.SCRATCH_INIT, dtype=torch.int64, device=device)
         self.live: Optional[probe.Live] = None  # the liveness shadow, when an allocator is tracked
         self.since_poll = 0
-        # The stream of the latest write probe (GPU): shadow updates on another stream wait for it.
-        self.probe_stream: Optional[torch.cuda.Stream] = None
-        self._raw_stream = 0
+        # [gpu] The write probes' streams (GPU): shadow updates on another stream wait for them.
+        self.order = seam.Order()
         # Cleaned copies: one region per id parameter (move_kv_cache has two), sized to
         # the pool's slots at build time; views are cached per (region, dtype, shape).
         self._capacity = int(pool.size) + int(pool.page_size) if seam.is_gpu(device) else 0  # [gpu] seam
@@ -77,21 +76,13 @@ class PoolState:
         return view
 
     def saw_stream(self, where: torch.device) -> None:
-        """Remember the stream a write probe was enqueued on (a cheap raw-pointer test)."""
-        raw = seam.stream_id(where)  # [gpu] seam
-        if raw != self._raw_stream:
-            self._raw_stream = raw
-            self.probe_stream = seam.current_stream(where)  # [gpu] seam
+        """Remember the stream a write probe was enqueued on."""
+        self.order.probed(where)  # [gpu] seam
 
     def after_probes(self) -> None:
         """Order what the current stream does next (a shadow update) after every
-        write probe enqueued so far on the probing stream: a stream wait, no host sync."""
-        stream = self.probe_stream
-        if stream is None or seam.capturing():  # [gpu] seam
-            return
-        current = seam.current_stream(self.device)  # [gpu] seam
-        if current != stream:
-            seam.wait(current, stream)  # [gpu] seam
+        write probe enqueued so far: a stream wait (once per batch of probes), no host sync."""
+        self.order.after(self.device)  # [gpu] seam
 
 
 class Guard:

@@ -275,3 +275,78 @@ def test_a_pool_resize_after_capture_keeps_the_captured_shadow(mp, guard, size):
         gc.collect()
         graph.replay()  # GraphError before the fix: the shadow was reallocated
         model.run()
+
+
+# -- 8. stream waits: the ordering liveness needs -------------------------------------
+
+
+def serve_two_streams(model, run, alloc, steps: int, frees: int = 2) -> list[int]:
+    """sglang's overlap: the scheduling stream allocates, the forward stream writes, the
+    scheduling stream frees `frees` times per step (no wait on the forward stream, as
+    in sglang). The guard's waits per step."""
+    forward, schedule = model.new_stream("forward"), model.new_stream("schedule")  # schedule newest: runs first
+    per_step = []
+    for _ in range(steps):
+        before = model.counts["waits"]
+        with model.stream(schedule):
+            loc = alloc.alloc(frees + 1)
+        forward.wait_stream(schedule)  # sglang's own: the forward reads what the schedule prepared
+        model.counts["waits"] -= 1  # (not the guard's)
+        with model.stream(forward):
+            run.forward(decode_batch(loc))
+        with model.stream(schedule):
+            for i in range(frees):
+                alloc.free(loc[i:i + 1])
+            alloc.free(loc[frees:])
+        model.host_step()
+        per_step.append(model.counts["waits"] - before)
+    model.synchronize()
+    return per_step
+
+
+@pytest.mark.parametrize("frees", [0, 2])
+def test_waits_per_step_and_a_free_never_overtakes_a_probe(mp, guard, runner, record_property, frees):
+    """The device picks the scheduling stream first whenever it may (adversarial): a
+    free would clear the flag a write probe enqueued before it still reads, unless the
+    guard ordered it. No false report in 6 steps, and the waits it costs per step."""
+    from sglang.srt.mem_cache import allocator
+
+    with Model(lag=1) as model:
+        guard("raise", liveness=True)
+        pool = mha(mp)
+        alloc = token_allocator(allocator, pool)
+        run = runner(pool)
+        per_step = serve_two_streams(model, run, alloc, 6, frees)
+        sglang_oobguard.check()
+        assert sglang_oobguard.violations() == []
+        record_property("guard_waits_per_step", per_step)
+        print(f"guard waits per step ({frees + 1} frees, 1 alloc): {per_step}")
+        assert max(per_step[1:]) <= 1  # one wait per step: the first shadow update after the step's probes
+
+
+def test_without_the_guards_wait_the_model_shows_the_false_report(mp, guard, runner, monkeypatch):
+    """The control: the same run with the guard's stream wait removed reports a freed
+    slot that was live when its write was enqueued. So the test above is not vacuous."""
+    from sglang.srt.mem_cache import allocator
+    from sglang_oobguard import device
+
+    with Model(lag=1) as model:
+        guard("warn", liveness=True)
+        pool = mha(mp)
+        alloc = token_allocator(allocator, pool)
+        run = runner(pool)
+        real = model.wait
+        monkeypatch.setattr(model, "wait", lambda waiter, waited: None)
+        monkeypatch.setattr(device, "wait", lambda waiter, waited: None)
+        forward, schedule = model.new_stream("forward"), model.new_stream("schedule")  # schedule newest: runs first
+        with model.stream(schedule):
+            loc = alloc.alloc(3)
+        real(forward, schedule)
+        with model.stream(forward):
+            run.forward(decode_batch(loc))
+        with model.stream(schedule):
+            alloc.free(loc)
+        model.synchronize()
+        sglang_oobguard.check()
+        (v,) = sglang_oobguard.violations()
+        assert "freed" in str(v) or v.value == int(loc[0]), v
