@@ -199,11 +199,11 @@ def test_warn_mode_on_the_kernel_path_reports_a_last_write_at_exit(tmp_path):
 # -- 3. buffers a captured graph holds -----------------------------------------------
 
 
-def capture_write(model, pool, loc, k):
+def capture_write(model, pool, loc, k, layer=0):
     """sglang's capture: the device synchronized, then one write captured."""
     model.synchronize()
     with model.graph() as graph:
-        pool.set_kv_buffer(Layer(0), loc, k, k)
+        pool.set_kv_buffer(Layer(layer), loc, k, k)
     return graph
 
 
@@ -350,3 +350,242 @@ def test_without_the_guards_wait_the_model_shows_the_false_report(mp, guard, run
         sglang_oobguard.check()
         (v,) = sglang_oobguard.violations()
         assert "freed" in str(v) or v.value == int(loc[0]), v
+
+
+# -- 6. CPU twins of tests/test_gpu.py and tests/test_gpu_observer.py ----------------
+# Each names its GPU original. Eager models (the device keeps pace with the host) where
+# sglang's own write must read the probe's copy: the model does not order sglang's ops.
+
+
+def kv(n):
+    return torch.randn(n, 2, 4)
+
+
+def record_of(pool):
+    return pool._oobguard_state.record.read_now()
+
+
+def test_twin_raise_surfaces_at_check_and_contains(mp, guard):
+    """test_gpu.py::test_raise_surfaces_at_check_and_contains."""
+    with Model(lag=1):
+        guard("raise", poll_every=1000)
+        pool = mha(mp)
+        pool.set_kv_buffer(Layer(2), torch.tensor([1, 70, 3]), kv(3), kv(3))
+        with pytest.raises(KVOutOfBoundsError, match=r"layer 2: 1 of 3 slot ids outside \[0, 65\): loc\[1\] = 70"):
+            sglang_oobguard.check()
+
+
+def test_twin_raise_surfaces_at_a_later_guarded_call_without_sync(mp, guard):
+    """test_gpu.py::test_raise_surfaces_at_a_later_guarded_call_without_sync: the guard
+    never waits; once the device ran the copy, the next guarded call's poll reads it."""
+    with Model(lag=1) as model:
+        guard("raise", poll_every=1)
+        pool = mha(mp)
+        model.synchronize()  # the pool's warm-up
+        pool.set_kv_buffer(Layer(0), torch.tensor([-1]), kv(1), kv(1))  # recorded; mirror copy enqueued
+        pool.set_kv_buffer(Layer(0), torch.tensor([6]), kv(1), kv(1))  # the copy has not landed: no report
+        assert model.counts["event_syncs"] == 0
+        model.synchronize()
+        with pytest.raises(KVOutOfBoundsError, match=r"loc\[0\] = -1"):
+            pool.set_kv_buffer(Layer(0), torch.tensor([6]), kv(1), kv(1))
+        assert model.counts["event_syncs"] == 0
+
+
+def test_twin_warn_keeps_every_other_row_intact(mp, guard):
+    """test_gpu.py::test_warn_keeps_every_other_row_intact."""
+    with Model(eager=True):
+        guard("warn")
+        pool = mha(mp)
+        before = pool.k_buffer[1].clone()
+        k = kv(3)
+        loc = torch.tensor([7, HIGH + 9, 8])
+        pool.set_kv_buffer(Layer(1), loc, k, k)
+        sglang_oobguard.check()
+        after = pool.k_buffer[1]
+        assert torch.equal(after[1:7], before[1:7]) and torch.equal(after[9:], before[9:])
+        assert torch.equal(after[7], k[0]) and torch.equal(after[8], k[2])
+        assert loc.tolist() == [7, HIGH + 9, 8]
+        (v,) = sglang_oobguard.violations()
+        assert (v.pos, v.value) == (1, HIGH + 9)
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+def test_twin_graph_replay_checks_again_and_the_callers_ids_stay(mp, guard, mode):
+    """test_gpu.py::test_cuda_graph_replay_checks_again and test_gpu_observer.py::
+    test_graph_replay_contains_into_a_copy_and_the_callers_ids_stay (and, short of the
+    trap, ::test_strict_graph_replay_fails_the_process): each replay probes again; raise
+    and warn hand the captured write a copy with the bad ids sent to slot 0, strict
+    the caller's ids (the assert stops the stream on a device; the interpreter asserts
+    nothing, so strict's trap is proven on a device only)."""
+    with Model(lag=1) as model:
+        guard(mode, poll_every=1000)
+        pool = mha(mp)
+        loc, k = torch.tensor([1, 2, 3, 4]), kv(4)
+        pool.set_kv_buffer(Layer(0), loc, k, k)  # sglang's eager warm-up runs
+        graph = capture_write(model, pool, loc, k)
+        (launch,) = [op for op in graph.ops if "launch" in op.label]
+        clean = launch.args[3][14]  # what the captured write reads: the copy, or loc itself (strict)
+        graph.replay()
+        model.synchronize()
+        sglang_oobguard.check()
+        assert sglang_oobguard.violations() == []
+        loc.copy_(torch.tensor([5, HIGH + 7, 6, -1]))
+        graph.replay()
+        model.synchronize()
+        assert loc.tolist() == [5, HIGH + 7, 6, -1]  # the caller's (sglang's static) buffer is unchanged
+        written = clean.tensor()
+        if mode == "strict":
+            assert written.data_ptr() == loc.data_ptr()  # no copy: the assert guards the write
+        else:
+            assert written.data_ptr() != loc.data_ptr() and written.tolist() == [5, 0, 6, 0]
+        rec = record_of(pool)
+        assert (rec.calls, rec.total_bad, rec.pos, rec.value) == (1, 2, 1, HIGH + 7)
+        if mode == "warn":
+            sglang_oobguard.check()
+            (v,) = sglang_oobguard.violations()
+            assert (v.bad, v.pos, v.value) == (2, 1, HIGH + 7)
+        else:
+            with pytest.raises(KVOutOfBoundsError, match=rf"2 of 4 slot ids outside \[0, {HIGH}\): loc\[1\] = {HIGH + 7}"):
+                sglang_oobguard.check()
+
+
+def test_twin_liveness_catches_a_freed_slot_in_the_probe_and_in_a_graph(mp, guard):
+    """test_gpu.py::test_liveness_on_cuda_catches_a_freed_slot_in_the_probe_and_in_a_graph."""
+    from sglang.srt.mem_cache import allocator
+
+    with Model(lag=1) as model:
+        guard("raise", poll_every=1000, liveness=True)
+        pool = mha(mp)
+        alloc = token_allocator(allocator, pool)
+        loc, k = alloc.alloc(3), kv(3)
+        pool.set_kv_buffer(Layer(1), loc, k, k)
+        graph = capture_write(model, pool, loc, k, layer=1)
+        graph.replay()
+        model.synchronize()
+        sglang_oobguard.check()
+        freed = int(loc[2])
+        alloc.free(loc[2:])
+        graph.replay()  # the same captured write, now to a freed slot
+        model.synchronize()
+        with pytest.raises(KVOutOfBoundsError, match=rf"layer 1: loc\[2\] = {freed} is not allocated \(freed\)"):
+            sglang_oobguard.check()
+
+
+@pytest.mark.parametrize("mode,liveness", [("strict", False), ("raise", False), ("warn", False), ("strict", True)])
+def test_twin_one_launch_per_guarded_write_and_per_layer(mp, guard, runner, mode, liveness):
+    """test_gpu.py::test_one_launch_per_guarded_write_and_per_layer_of_a_decode_step,
+    counted by the model: one launch per guarded write, L for L writes outside a forward
+    step, and one per forward step (its out_cache_loc check serves the L layers)."""
+    from sglang.srt.mem_cache import allocator
+
+    with Model(lag=1) as model:
+        guard(mode, liveness=liveness)
+        pool = mha(mp)
+        loc = token_allocator(allocator, pool).alloc(3) if liveness else torch.tensor([1, 2, 3])
+        model.synchronize()
+        k = kv(3)
+        start = model.counts["launches"]
+        pool.set_kv_buffer(Layer(0), loc, k, k)
+        assert model.counts["launches"] - start == 1
+        start = model.counts["launches"]
+        for layer in range(LAYERS):
+            pool.set_kv_buffer(Layer(layer), loc, k, k)
+        assert model.counts["launches"] - start == LAYERS
+        run = runner(pool)
+        start = model.counts["launches"]
+        for _ in range(3):
+            run.forward(decode_batch(loc))
+            model.host_step()
+        assert model.counts["launches"] - start == 3
+        model.synchronize()
+        sglang_oobguard.check()
+        assert sglang_oobguard.violations() == []
+
+
+def test_twin_each_captured_graph_holds_one_probe_after_eager_warm_up(mp, guard):
+    """test_gpu.py::test_each_captured_graph_holds_one_probe_after_sglangs_eager_warm_up."""
+    with Model(lag=1) as model:
+        guard("raise", poll_every=1000)
+        pool = mha(mp)
+        model.synchronize()
+        k = kv(4)
+        graphs = {}
+        for bs in (2, 4):
+            loc = torch.arange(1, bs + 1)
+
+            def step(loc=loc, bs=bs) -> None:
+                for layer in range(LAYERS):
+                    pool.set_kv_buffer(Layer(layer), loc, k[:bs], k[:bs])
+
+            start = model.counts["launches"]
+            step()
+            step()
+            assert model.counts["launches"] - start == 2 * LAYERS  # eager runs: every write probed
+            model.synchronize()
+            with model.graph() as graph:
+                step()
+            assert sum("launch" in op.label for op in graph.ops) == 1  # one probe for the L layers
+            graphs[bs] = (graph, loc)
+        for bs, (graph, loc) in graphs.items():
+            graph.replay()
+            model.synchronize()
+            sglang_oobguard.check()
+            loc[-1] = 64 + 5
+            graph.replay()
+            model.synchronize()
+            with pytest.raises(KVOutOfBoundsError, match=r"= 69"):
+                sglang_oobguard.check()
+            loc[-1] = bs
+
+
+def test_twin_a_real_stale_write_across_streams_is_reported(mp, guard):
+    """test_gpu_observer.py::test_a_real_stale_write_across_streams_is_reported: the free
+    comes first on the scheduling stream, the forward stream waits for it (sglang's
+    barrier) and then writes the freed slot: every layer's probe sees it."""
+    from sglang.srt.mem_cache import allocator
+
+    with Model(lag=1) as model:
+        guard("raise", poll_every=1000, liveness=True)
+        pool = mha(mp)
+        alloc = token_allocator(allocator, pool)
+        forward, schedule = model.new_stream("forward"), model.new_stream("schedule")
+        with model.stream(schedule):
+            loc = alloc.alloc(3)
+        forward.wait_stream(schedule)
+        with model.stream(schedule):
+            alloc.free(loc[-1:])
+        forward.wait_stream(schedule)
+        k = kv(3)
+        with model.stream(forward):
+            for layer in range(LAYERS):
+                pool.set_kv_buffer(Layer(layer), loc, k, k)
+        model.synchronize()
+        with pytest.raises(KVOutOfBoundsError, match=rf"loc\[2\] = {int(loc[2])} is not allocated \(freed\)"):
+            sglang_oobguard.check()
+        (v,) = sglang_oobguard.violations()
+        assert v.calls == LAYERS
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_twin_probes_on_two_streams_fold_exact_totals(mp, guard, seed):
+    """test_gpu_observer.py::test_probes_on_two_streams_fold_exact_totals, with the two
+    streams' ops interleaved in a random order the model picks. (The model runs one
+    kernel at a time: the atomics' behaviour under real concurrency is a device's.)"""
+    import random
+
+    rng = random.Random(seed)
+    with Model(lag=0, pick=lambda runnable: rng.choice(runnable)) as model:
+        guard("warn", poll_every=10**6)
+        pool = mha(mp)
+        streams = [model.new_stream("a"), model.new_stream("b")]
+        bad = {0: torch.tensor([1, HIGH + 1, 2]), 1: torch.tensor([HIGH + 2, HIGH + 3, 3])}
+        k = kv(3)
+        model.synchronize()
+        for i in range(40):
+            with model.stream(streams[i % 2]):
+                pool.set_kv_buffer(Layer(i % LAYERS), bad[i % 2], k, k)
+        model.synchronize()
+        sglang_oobguard.check()
+        (v,) = sglang_oobguard.violations()
+        assert (v.calls, v.total_bad) == (40, 20 * 1 + 20 * 2)
+        assert (v.bad, v.pos, v.value) in ((1, 1, HIGH + 1), (2, 0, HIGH + 2))  # one call's details, not a mix
