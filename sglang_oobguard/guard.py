@@ -11,11 +11,12 @@ from typing import Any, Optional
 
 import torch
 
+from . import device
 from .calls import CallState
 from .config import Backend, Config, Mode
 from .discover import Found
 from .log import logger
-from .pools import RETIRED, SITES_ATTR, STATE_ATTR, PoolState, warm_up
+from .pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from .record import Record, fold_host
 from .report import Reporter
 from .steps import Steps
@@ -51,24 +52,24 @@ class Guard:
         """The host scan serves CPU tensors (backend auto or torch), and CUDA tensors
         only when asked (torch) and not while a CUDA graph is captured."""
         backend = self.config.backend
-        if ids.is_cuda:
-            return backend is Backend.TORCH and not torch.cuda.is_current_stream_capturing()
+        if device.is_gpu(ids):
+            return backend is Backend.TORCH and not device.capturing()
         return backend is not Backend.TRITON
 
-    def state(self, pool: Any, device: torch.device) -> PoolState:
+    def state(self, pool: Any, where: torch.device) -> PoolState:
         """The pool's state: made when the pool was built, else now (a pool class whose
         constructor skips KVCache's, or a mock)."""
-        return pool.__dict__.get(STATE_ATTR) or self.attach(pool, device)
+        return pool.__dict__.get(STATE_ATTR) or self.attach(pool, where)
 
-    def attach(self, pool: Any, device: torch.device) -> PoolState:
-        state = PoolState(pool, device)
+    def attach(self, pool: Any, where: torch.device) -> PoolState:
+        state = PoolState(pool, where)
         self.mark(pool, STATE_ATTR, state)
         self.states.add(state)
-        if device.type == "cuda":
+        if device.is_gpu(where):
             sites = pool.__dict__.get(SITES_ATTR) or {
                 site: found.rule.lens is not None for found in self.found if isinstance(pool, found.owner)
                 for site in found.sites}
-            warm_up(state, {**sites, self.step_site: False}, self.steps.counter(device),
+            warm_up(state, {**sites, self.step_site: False}, self.steps.counter(where),
                     self.config.mode is Mode.STRICT, self.config.liveness, self.message)
         return state
 
@@ -80,7 +81,7 @@ class Guard:
     def forget(self) -> None:
         """Take our attributes off sglang's objects again (uninstall); the pool states
         stay alive, since a captured graph may still replay their probes."""
-        RETIRED.extend(self.states)
+        device.retain((list(self.states), self.steps))
         for ref, attr in self._marked:
             obj = ref()
             if obj is not None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Union
 import wrapt
 
 from . import config as config_mod
+from . import flush
 from .discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover, pool_classes,
                        resolve, write_methods)
 from .guard import Guard
@@ -249,6 +250,7 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     global _active
     _active = Instrumentor(config)
     skipped = _active.instrument(base)
+    flush.watch(_active.guard)  # reports reach the folder when the server idles and at exit
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.entries if isinstance(entry, Found)]
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import device
 from .record import OFFSET
 from .shadow import Live
 
@@ -150,6 +151,12 @@ def _oob_probe_kernel(
             _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE, 1)
 
 
+def _launch(kernel: triton.JITFunction, grid: int, args: tuple, constexprs: dict, debug: bool) -> None:
+    """Launch one kernel variant (`device.enqueue` puts it on the current stream); debug
+    keeps tl.device_assert compiled in."""
+    kernel[(grid,)](*args, **constexprs, debug=debug)
+
+
 PROBE_BLOCK = 1024
 SPLIT_ABOVE = 8192  # more ids than this: several programs (a 64k prefill chunk is 16 of them)
 SPLIT_CHUNK = 4096  # ids per program when split (bench/gpu_probe.py measures one program against the split)
@@ -187,7 +194,7 @@ def launch(loc: torch.Tensor, high: int, site: int, layer: int, record: torch.Te
             1 if live is None else live.page, 0 if live is None else live.high,
             loc if clean is None else clean,  # unwritten without COPY
             chunk)
-    _oob_probe_kernel[(grid,)](*args, **constexprs, debug=message is not None)  # debug keeps the assert
+    device.enqueue(_launch, _oob_probe_kernel, grid, args, constexprs, message is not None)
 
 
 @triton.jit(do_not_specialize=["n", "stride", "high", "site", "layer", "live_page"],
@@ -239,4 +246,4 @@ def launch_free(ids: torch.Tensor, high: int, site: int, record: torch.Tensor, s
     flat = ids if ids.dim() == 1 else ids.reshape(-1)
     constexprs = dict(EXCLUSIVE=live.page == 1, ASSERT=message is not None, MESSAGE=message or "", BLOCK=PROBE_BLOCK)
     args = (flat, flat.numel(), flat.stride(0), high, site, -1, record, step, live.flags, live.page)
-    _free_probe_kernel[(1,)](*args, **constexprs, debug=message is not None)
+    device.enqueue(_launch, _free_probe_kernel, 1, args, constexprs, message is not None)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import hostscan, kernels, shadow
+from . import device, hostscan, kernels, shadow
 from .config import Mode
 from .discover import AllocatorMethod, base_class
 from .guard import Guard
@@ -74,9 +74,16 @@ def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Cal
 def _backup(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
     result = call()
     if state.live is not None:
-        _quietly(guard, "backup_state", lambda: _update(
-            state, lambda live: guard.mark(allocator, BACKUP_ATTR, live.flags.clone())))
+        _quietly(guard, "backup_state", lambda: _backup_into(guard, allocator, state))
     return result
+
+
+def _backup_into(guard: Guard, allocator: Any, state: PoolState) -> None:
+    """[gpu] The backup buffer is made on the host now, its copy enqueued (a device op)."""
+    assert state.live is not None
+    saved = torch.empty_like(state.live.flags)
+    guard.mark(allocator, BACKUP_ATTR, saved)
+    _update(state, lambda live: saved.copy_(live.flags))
 
 
 def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
@@ -162,9 +169,9 @@ def _counted(guard: Guard, allocator: Any, family: str, call: _Call) -> Any:
 def _update(state: PoolState, change: Callable[[shadow.Live], Any]) -> None:
     """A shadow update, ordered after the write probes enqueued so far."""
     assert state.live is not None
-    if state.live.flags.is_cuda:
+    if device.is_gpu(state.live.flags):
         state.after_probes()
-    change(state.live)
+    device.enqueue(change, state.live)  # a device op on the current stream
 
 
 def _quietly(guard: Guard, where: str, work: Callable[[], Any]) -> None:
@@ -208,9 +215,9 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT
     kernels.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
-                        guard.message(site) if strict and ids.is_cuda else None)
+                        guard.message(site) if strict and device.is_gpu(ids) else None)
     if live.owner is not None:
-        shadow.release(live, ids)  # the owners (the kernel cleared the flags)
+        device.enqueue(shadow.release, live, ids)  # the owners (the kernel cleared the flags)
     guard.launched(state)
     return None
 
@@ -248,8 +255,12 @@ def _start(guard: Guard, allocator: Any) -> None:
     page = int(allocator.page_size)
     pages = -(-(int(allocator.size) + page) // page)
     if state.live is None or state.live.page != page or state.live.pages < pages:
+        if state.live is not None and device.is_gpu(state.device):  # a graph captured before may still read it
+            device.retain(state.live)
+            logger.warning("sglang_oobguard: the liveness shadow of %s grew to %d pages: a CUDA graph captured "
+                           "before checks the retired shadow until it is captured again", state.pool_name, pages)
         state.live = shadow.new_live(pages, page, state.device)
-        if state.device.type == "cuda":
+        if device.is_gpu(state.device):
             _warm_up_frees(guard, state, type(allocator))
     else:
         _update(state, shadow.clear)
@@ -268,4 +279,4 @@ def _warm_up_frees(guard: Guard, state: PoolState, cls: type) -> None:
         live = state.live if role is Role.FREE else state.live.as_pages()
         for dtype in (torch.int64, torch.int32):
             kernels.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor,
-                              guard.steps.counter(state.device), live, guard.message(site) if strict else None)
+                                guard.steps.counter(state.device), live, guard.message(site) if strict else None)

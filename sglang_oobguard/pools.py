@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import kernels
+from . import device, kernels
 from .record import PoolRecord
 from .shadow import Live
 
@@ -24,7 +24,6 @@ NAME_ATTR = "_oobguard_name"  # a state holder that is no pool (a fused writer's
 SITES_ATTR = "_oobguard_sites"  # ...and the sites its warm-up compiles
 RING = 4  # eager copy slots, one per step in flight (the overlap scheduler runs one step ahead)
 REGIONS = 2  # id parameters per write (move_kv_cache has two)
-RETIRED: list["PoolState"] = []  # states of an uninstalled guard: kept, a captured graph may still replay them
 
 _serials = itertools.count()
 
@@ -32,24 +31,22 @@ _serials = itertools.count()
 class PoolState:
     """One pool's record, the kernel's copy buffers and the liveness shadow."""
 
-    def __init__(self, pool: Any, device: torch.device) -> None:
+    def __init__(self, pool: Any, where: torch.device) -> None:
         self.pool_name = pool.__dict__.get(NAME_ATTR) or type(pool).__name__
         self.serial = next(_serials)  # the pool's key in the reporter
-        self.device = device
-        self.record = PoolRecord(device)
-        self.scratch = torch.tensor(kernels.SCRATCH_INIT, dtype=torch.int64, device=device)
+        self.device = where
+        self.record = PoolRecord(where)
+        self.scratch = torch.tensor(kernels.SCRATCH_INIT, dtype=torch.int64, device=where)
         self.live: Optional[Live] = None  # the liveness shadow, when an allocator is tracked
         self.since_poll = 0
-        # The stream of the latest write probe (GPU): shadow updates on another stream wait for it.
-        self.probe_stream: Optional[torch.cuda.Stream] = None
-        self._raw_stream = 0
+        self.order = device.Order()  # the write probes' streams: shadow updates on another stream wait for them
         # Cleaned copies for the kernel: RING eager slots (by step number) and one for
         # graph captures (graphs of one pool replay one at a time), REGIONS regions
         # each, every region as tall as the pool's slots. Made now on a GPU; on a CPU
         # (the kernel runs there only in Triton's interpreter, and no graph exists)
         # at the first copy.
         self.capacity = int(pool.size) + int(pool.page_size)
-        self._copies: Optional[torch.Tensor] = self._new_copies() if device.type == "cuda" else None
+        self._copies: Optional[torch.Tensor] = self._new_copies() if device.is_gpu(where) else None
         self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
         self.copied_for: dict[int, torch.Tensor] = {}  # region index -> the ids its copy was made of
 
@@ -72,24 +69,12 @@ class PoolState:
         return view
 
     def _new_copies(self) -> torch.Tensor:
-        return torch.empty((RING + 1) * REGIONS * self.capacity, dtype=torch.int64, device=self.device)
-
-    def saw_stream(self, device_index: int) -> None:
-        """Remember the stream a write probe was enqueued on (a cheap raw-pointer test)."""
-        raw = torch._C._cuda_getCurrentRawStream(device_index)
-        if raw != self._raw_stream:
-            self._raw_stream = raw
-            self.probe_stream = torch.cuda.current_stream(device_index)
+        return torch.zeros((RING + 1) * REGIONS * self.capacity, dtype=torch.int64, device=self.device)
 
     def after_probes(self) -> None:
-        """Order what the current stream does next (a shadow update) after every
-        write probe enqueued so far on the probing stream: a stream wait, no host sync."""
-        stream = self.probe_stream
-        if stream is None or torch.cuda.is_current_stream_capturing():
-            return
-        current = torch.cuda.current_stream(stream.device)
-        if current != stream:
-            current.wait_stream(stream)
+        """Order what the current stream does next (a shadow update) after every write
+        probe enqueued so far: a stream wait (once per batch of probes), no host sync."""
+        self.order.after(self.device)
 
 
 def region(slot: int, param: int) -> int:
@@ -109,7 +94,7 @@ def warm_up(state: PoolState, sites: dict[int, bool], counter: torch.Tensor, str
     for dtype in (torch.int64, torch.int32):
         loc = torch.empty(0, dtype=dtype, device=state.device)
         for site, with_lens in sites.items():
-            for lens in (None, torch.empty(0, 0, dtype=dtype, device=state.device))[:1 + with_lens]:
+            for lens in (None, torch.empty(0, 1, dtype=dtype, device=state.device))[:1 + with_lens]:  # (0, 0): lens[:, 0] fails
                 for live in lives:
                     kernels.launch(loc if lens is None else lens, 1, max(site, 0), -1, state.record.tensor,
                                    state.scratch, counter, None if strict else loc,

@@ -2,19 +2,21 @@
 
 One layout, `Record`'s fields in order, serves both probe paths: the kernel stores
 each field at its index (`OFFSET`), the host scan folds into the same tensor with
-`fold_host`. On a GPU the record is read back without a host sync: a pinned host
-mirror is refreshed by an async copy, and read only once its event has completed
-(`poll`), so a report lands at most one poll later (a forward step's end starts the
-copy, the next step's start reads it). `read_now` is the explicit check
-point, which may sync.
+`fold_host`. On the GPU branch the record is read back without a host sync: a ring of
+pinned host mirrors, each refreshed by an async copy and read only once its own event
+has completed (`poll`); with the host `lag` steps ahead of the device, a violation in
+step N is reported at step N + lag + 1's start. `flush` (exit, idle, check points)
+and `read_now` may wait. All CUDA calls go through `device`.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple, Optional
 
 import torch
 
+from . import device
 from .violation import Kind
 
 
@@ -49,50 +51,124 @@ def fold_host(record: torch.Tensor, call: Record) -> None:
     record.copy_(torch.tensor(new, dtype=torch.int64))
 
 
-class PoolRecord:
-    """One pool's device record and the host side of reading it back."""
+SLOTS = 4  # pinned mirror slots per record: a copy started at step N's end is read by step N + lag + 1 (lag < SLOTS - 1)
 
-    def __init__(self, device: torch.device) -> None:
-        self.tensor = torch.zeros(RECORD_LEN, dtype=torch.int64, device=device)
-        on_gpu = device.type == "cuda"
-        self._mirror = torch.zeros(RECORD_LEN, dtype=torch.int64, pin_memory=on_gpu)
-        self._mirror_view = self._mirror.numpy()  # plain memory reads: no torch op, no sync
-        self._copied: Optional[torch.cuda.Event] = torch.cuda.Event() if on_gpu else None
-        self._pending = False  # a mirror copy was enqueued and not read yet
+
+class _Slot:
+    """One pinned mirror of the record, its event, and whether a copy into it is unread."""
+
+    __slots__ = ("mirror", "view", "event", "pending")
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.mirror = device.pinned(like)
+        self.view = self.mirror.numpy()  # plain memory reads: no torch op, no sync
+        self.event = device.event(like.device)  # None: the copy ran at once (a CPU tensor, no model)
+        self.pending = False
+
+    def landed(self) -> bool:
+        return self.pending and (self.event is None or self.event.query())
+
+
+class PoolRecord:
+    """One pool's device record and the host side of reading it back.
+
+    On the GPU branch the record is read back through a ring of `SLOTS` pinned mirrors,
+    each with its own event, used in order: a step's end starts a copy into the next
+    free slot, every poll reads each slot whose event has completed (oldest first) and
+    frees it, and nothing ever waits. So with the host `lag` steps ahead of the device
+    (sglang's overlap scheduler: 1), a violation in step N is read at step
+    N + lag + 1's start, for any lag < SLOTS - 1 (tests/test_gpu_model.py proves it
+    under the device model). When every slot is still in flight, a copy is skipped:
+    the record only grows, so the next copy carries the skipped one's contents.
+    `flush` waits (exit and explicit check points only)."""
+
+    def __init__(self, where: torch.device) -> None:
+        self.tensor = torch.zeros(RECORD_LEN, dtype=torch.int64, device=where)
+        self._gpu = device.is_gpu(where)
+        self._slots = [_Slot(self.tensor) for _ in range(SLOTS if self._gpu else 1)]
+        self._next = 0  # the slot the next copy goes to; the oldest in flight when the ring is full
+        self._lock = threading.Lock()  # the idle flusher's thread polls too
         self.reported = 0  # violating calls already reported
+        self.started = 0  # copies started
+        self.skipped = 0  # copies not started: every slot was in flight
 
     def poll(self, restart: bool = True) -> Optional[Record]:
-        """The record as of the last landed mirror copy, then (restart) start the next
-        copy; a step boundary leaves that to the step's end. Never waits: an unfinished
-        copy is left for the next poll; None when nothing new can be read yet (and
-        under graph capture, when no copy may be enqueued)."""
-        if self._copied is not None and torch.cuda.is_current_stream_capturing():
+        """The newest record among the landed copies (None: none landed), then
+        (restart) start the next copy; a step boundary leaves that to the step's end.
+        Never waits; nothing under graph capture."""
+        if self._gpu and device.capturing():
             return None
-        if self._pending and self._copied is not None and not self._copied.query():
-            return None
-        landed = Record(*self._mirror_view.tolist()) if self._pending else None
-        self._pending = False
-        if restart:
-            self.start_copy()
+        with self._lock:
+            landed = self._consume()
+            if restart:
+                self._start()
         return landed
 
+    def _consume(self) -> Optional[Record]:
+        """Read and free every landed slot, oldest first; the one with most calls wins
+        (copies on two streams may land out of order; a record only grows)."""
+        best: Optional[Record] = None
+        n = len(self._slots)
+        for i in range(self._next, self._next + n):
+            slot = self._slots[i % n]
+            if slot.landed():
+                record = Record(*slot.view.tolist())
+                slot.pending = False
+                if best is None or record.calls >= best.calls:
+                    best = record
+        return best
+
     def start_copy(self) -> None:
-        """Enqueue the mirror's refresh behind what the stream has enqueued so far (a
-        step's end: its probes), so the next poll can read it. Not under graph capture."""
-        if self._copied is not None and torch.cuda.is_current_stream_capturing():
+        """Enqueue a mirror refresh behind what the current stream has enqueued so far
+        (a step's end: its probes), into the next free slot. Not under graph capture."""
+        if self._gpu and device.capturing():
             return
-        self._mirror.copy_(self.tensor, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-        self._pending = True
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        slot = self._slots[self._next]
+        if slot.pending:
+            self.skipped += 1
+            return
+        device.copy_async(slot.mirror, self.tensor)
+        if slot.event is not None:
+            slot.event.record()
+        slot.pending = True
+        self.started += 1
+        self._next = (self._next + 1) % len(self._slots)
+
+    def in_flight(self) -> int:
+        return sum(slot.pending for slot in self._slots)
+
+    def flush(self) -> Optional[Record]:
+        """Wait for every copy in flight, then for one more copy of the record as it is
+        after all that the current stream enqueued: the record, read back. May wait (an
+        event synchronize): process exit, shutdown and check points only."""
+        if self._gpu and device.capturing():
+            return None
+        with self._lock:
+            for slot in self._slots:
+                if slot.pending and slot.event is not None:
+                    slot.event.synchronize()
+            landed = self._consume()
+            self._start()
+            slot = self._slots[(self._next - 1) % len(self._slots)]
+            if slot.event is not None:
+                slot.event.synchronize()
+            newer = self._consume()
+        return newer if newer is not None else landed
 
     def read_now(self) -> Record:
         """The record as it is now (a host read: may sync on a GPU)."""
-        return Record(*self.tensor.tolist())
+        return Record(*device.read(self.tensor))
 
     def unreported(self, record: Optional[Record]) -> bool:
         """True once per new violating call count: the caller then reports `record`."""
         if record is None or record.calls <= self.reported:
             return False
-        self.reported = record.calls
+        with self._lock:
+            if record.calls <= self.reported:
+                return False
+            self.reported = record.calls
         return True

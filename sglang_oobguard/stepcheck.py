@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from . import device
+
 from .guard import Guard
 from .report import KVOutOfBoundsError
 from .targets import POOL_IDS
@@ -27,8 +29,9 @@ from .writes import check_write
 
 def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> None:
     """A step boundary: report what landed, then check this step's out_cache_loc."""
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    capturing = device.capturing()
     guard.calls.depth += 1  # first: step_end undoes it whatever fails below
+    guard.steps.open += 1
     guard.steps.begin(runner, batch, capturing)
     guard.calls.memo.clear()
     for state in list(guard.states):  # the copy the last step's end started (step_end starts the next)
@@ -41,6 +44,7 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> None:
 def step_end(guard: Guard) -> None:
     """The step's probes are enqueued: start each record's copy, read at the next step."""
     guard.calls.depth -= 1
+    guard.steps.open -= 1
     guard.calls.memo.clear()
     for state in list(guard.states):
         state.record.start_copy()

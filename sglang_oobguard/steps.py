@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from . import device
+
 LAYOUTS_KEPT = 32  # steps whose layout a late report can still name
 
 
@@ -86,6 +88,7 @@ class Steps:
     def __init__(self) -> None:
         self._next = itertools.count()  # next() is atomic: threads stepping at once get distinct numbers
         self.number = -1  # the latest step (-1: none yet)
+        self.open = 0  # steps in progress on any thread (the idle flush waits for none)
         self._counters: dict[torch.device, torch.Tensor] = {}
         self._seen: deque[Seen] = deque(maxlen=LAYOUTS_KEPT)
         self._ranks: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
@@ -101,9 +104,9 @@ class Steps:
         """A new step: numbered, its counters set (not inside a capture, where the
         fill would be baked into the graph), its batch remembered."""
         number = self.number = next(self._next)
-        if not capturing:
-            for counter in self._counters.values():
-                counter.fill_(number)
+        for counter in self._counters.values():
+            if not (capturing and device.is_gpu(counter)):  # a fill inside a capture would be baked into the graph
+                device.enqueue(counter.fill_, number)  # in stream order with the probes
         get = batch.__dict__.get if hasattr(batch, "__dict__") else lambda name: getattr(batch, name, None)
         self._seen.append(Seen(number, runner, get("forward_mode"), int(get("batch_size") or 0), get("rids"),
                                get("req_pool_indices"), get("seq_lens_cpu"), get("extend_seq_lens_cpu"),

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import device
 from .guard import Guard
 from .pools import NAME_ATTR, SITES_ATTR
 from .report import KVOutOfBoundsError
@@ -54,7 +55,7 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
                 if writer.per_row is not None:
                     bound *= int(argument(args, kwargs, *writer.per_row, per_row_default))
                 holder = holders.get((loc.device, bound))
-                if holder is None and not (loc.is_cuda and torch.cuda.is_current_stream_capturing()):
+                if holder is None and not (device.is_gpu(loc) and device.capturing()):
                     holder = holders[loc.device, bound] = WriterSite(writer, bound, site)
                 checked = loc if holder is None else check_write(guard, holder, site, 0, loc, bound, lambda: -1,
                                                                  slots=False)

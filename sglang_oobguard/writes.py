@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import hostscan, kernels
+from . import device, hostscan, kernels
 from .config import Backend, Mode
 from .discover import Found
 from .guard import Guard
@@ -35,8 +35,8 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
     state = pool.__dict__.get(STATE_ATTR) or guard.attach(pool, loc.device)
     live = state.live if slots else None
     calls = guard.calls
-    if loc.is_cuda:
-        capturing = torch.cuda.is_current_stream_capturing()
+    if device.is_gpu(loc):
+        capturing = device.capturing()
         host = guard.config.backend is Backend.TORCH and not capturing
     else:
         capturing, host = False, guard.config.backend is not Backend.TRITON
@@ -77,7 +77,7 @@ def _launch(guard: Guard, state: PoolState, site: int, where: int, loc: torch.Te
             layer: Callable[[], int], lens: Optional[torch.Tensor], live: Optional[Live]) -> torch.Tensor:
     if not loc.numel():
         return loc
-    asserts = guard.config.mode is Mode.STRICT and loc.is_cuda  # the assert stops the stream before the write
+    asserts = guard.config.mode is Mode.STRICT and device.is_gpu(loc)  # the assert stops the stream before the write
     clean = None if asserts else state.copy_for(where, loc)  # (Triton's interpreter asserts nothing)
     if clean is None and not asserts and guard.first_time(f"uncontained {state.serial}"):
         logger.warning("sglang_oobguard: %s: a write of %d ids, more than the pool's %d slots: probed, not "
@@ -87,8 +87,8 @@ def _launch(guard: Guard, state: PoolState, site: int, where: int, loc: torch.Te
                    clean, guard.message(site) if asserts else None, lens, live)
     if clean is not None:
         state.copied_for[where] = loc
-    if loc.is_cuda:
-        state.saw_stream(loc.device.index)
+    if device.is_gpu(loc):
+        state.order.probed(loc.device)
     guard.launched(state)
     return loc if clean is None else clean
 
