@@ -238,6 +238,8 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
     strict = guard.config.mode is Mode.STRICT
     probe.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
                       guard.message(site) if strict and ids.is_cuda else None)
+    if live.owner is not None:  # [ownership] the free clears the owner (a bad id's page is clamped: reported already)
+        live.owner.index_fill_(0, (ids.reshape(-1).to(torch.int64) // live.page).clamp_(0, live.owner.numel() - 1), 0)
     guard.launched(state)
     return None
 
@@ -279,7 +281,7 @@ def _start(guard: Guard, allocator: Any) -> None:
         if state.device.type == "cuda":
             _warm_up_frees(guard, state, type(allocator))
     else:
-        _update(state, lambda live: live.flags.zero_())
+        _update(state, lambda live: (live.flags.zero_(), live.owner is not None and live.owner.zero_()))  # [ownership]
     guard.mark(allocator, LIVE_ATTR, state)
     allocator.__dict__.pop(BACKUP_ATTR, None)
 

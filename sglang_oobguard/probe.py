@@ -53,11 +53,13 @@ class Live(NamedTuple):
     flags: torch.Tensor  # int32 (the free kernel exchanges flags atomically), one per page
     page: int  # ids per flag: the allocator's page size (1: per slot)
     host: Optional[memoryview] = None  # a CPU shadow's memory: the host scan reads it without torch ops
+    owner: Optional[torch.Tensor] = None  # [ownership] int32 per page: 0 none, else req_to_token row + 1 (writemap)
 
 
 def new_live(pages: int, page: int, device: torch.device) -> Live:
     flags = torch.zeros(pages, dtype=torch.int32, device=device)
-    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()))  # type: ignore[arg-type]
+    owner = torch.zeros(pages, dtype=torch.int32, device=device)  # [ownership]
+    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()), owner)  # type: ignore[arg-type]
 
 
 def _written(loc: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -139,7 +141,10 @@ def cleaned(loc: torch.Tensor, high: int, lens: torch.Tensor | None = None,
 
 def mark(live: Live, ids: torch.Tensor) -> None:
     """The allocator handed these ids out: their pages are live (a device scatter)."""
-    live.flags.index_fill_(0, ids.reshape(-1).to(live.flags.device, torch.int64) // live.page, 1)
+    pages = ids.reshape(-1).to(live.flags.device, torch.int64) // live.page
+    live.flags.index_fill_(0, pages, 1)
+    if live.owner is not None:  # [ownership] a new allocation has no owner yet
+        live.owner.index_fill_(0, pages, 0)
 
 
 def _repeats(flat: torch.Tensor) -> torch.Tensor:
@@ -176,6 +181,8 @@ def release_host(ids: torch.Tensor, high: int, live: Live) -> None:
     flat = ids.reshape(-1).to(torch.int64)
     inside = flat[(flat >= 0) & (flat < high)]
     live.flags.index_fill_(0, inside // live.page, 0)
+    if live.owner is not None:  # [ownership] the free clears the owner
+        live.owner.index_fill_(0, inside // live.page, 0)
 
 
 # -- the kernels ---------------------------------------------------------------
