@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import probe
+from . import probe, stepmap
 from .config import Backend, Config, Mode
 from .discover import Found
 from .record import PoolRecord, Record, fold_host
@@ -186,16 +186,21 @@ class Guard:
 
     # -- the forward step -------------------------------------------------------
 
-    def step_begin(self, runner: Any, batch: Any, pool: Any) -> None:
+    def step_begin(self, runner: Any, batch: Any, pool: Any) -> Optional[torch.Tensor]:
         """A step boundary: report what landed, then check this step's out_cache_loc
-        once against the pool it targets (its copy serves the layers' writes)."""
+        once against the pool it targets (its copy serves the layers' writes).
+        [ownership] Returns the cleaned ids the forward writes with, or None."""
         self.steps.begin(runner, batch)
         self._memo.clear()
         for state in list(self.states):  # the copy the last step's end started (step_end starts the next)
             self.publish(state, state.record.poll(restart=False))
         loc = getattr(batch, "out_cache_loc", None)
         if isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size"):
+            handled, swap = stepmap.check_step(self, runner, batch, pool)  # [ownership] write map + owner
+            if handled:  # [ownership]
+                return swap  # [ownership]
             self.check_write(pool, self.step_site, 0, loc, pool.size + pool.page_size, lambda: -1)
+        return None
 
     def step_end(self) -> None:
         """The step's probes are enqueued: start each record's copy, read at the next step."""
@@ -274,18 +279,19 @@ class Guard:
 
     # -- reporting ------------------------------------------------------------
 
-    def report_now(self, state: PoolState, call: Record) -> None:
+    def report_now(self, state: PoolState, call: Record, **named: Any) -> None:
         """A host finding: fold it into the record and publish this call (with the
         running totals) at once; raises unless warn."""
         fold_host(state.record.tensor, call)
         totals = state.record.read_now()
-        self.publish(state, call._replace(total_bad=totals.total_bad, calls=totals.calls))
+        self.publish(state, call._replace(total_bad=totals.total_bad, calls=totals.calls), **named)
 
-    def publish(self, state: PoolState, record: Optional[Record]) -> None:
+    def publish(self, state: PoolState, record: Optional[Record], **named: Any) -> None:
         if state.record.unreported(record):
             assert record is not None
             lay = self.steps.find(record.step) if record.step >= 0 and not free_param(record.site) else None
             where = request_of(lay, record.pos, record.numel) if lay is not None else {"step": record.step}
+            where.update(named or stepmap.describe(record, where))  # [ownership] both sides of the write
             self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **where),
                                   fatal=self.config.mode is not Mode.WARN)
 

@@ -100,10 +100,16 @@ class Violation:
     request: Optional[str] = None  # the request's rid (or, before rids, its req_pool_indices entry)
     token: Optional[int] = None  # the token's index within its request
     ranks: Optional[str] = None  # "tp 1, pp 0, dp 0"
+    # [ownership] what was wrong, and the other side of a write-map or owner violation
+    kind: Optional[str] = None  # bounds, freed, double_free, other_request, duplicate, shared_row, owned
+    expected: int = -1  # the token's own slot per req_to_token (-1: not checked)
+    owner: Optional[str] = None  # the request holding the slot: its rid, or "req_to_token row R"
+    owner_token: Optional[int] = None  # the position at which the owner holds the slot
 
     @classmethod
     def of(cls, record: "Record", pool: str, **where: object) -> "Violation":
         """A pool's record, as the report names it; `where`: the step fields."""
+        where.setdefault("kind", KIND_NAMES.get(getattr(record, "kind", 0), "bounds"))  # [ownership]
         return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
                    record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
                    **where)  # type: ignore[arg-type]
@@ -122,11 +128,28 @@ class Violation:
     def __str__(self) -> str:
         head = f"{self.label}: " if self.freed or self.layer < 0 else f"{self.label} layer {self.layer}: "
         name = self.freed or "loc"
+        if self.kind in WRITE_MAP_KINDS:  # [ownership]
+            tail = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
+            what = WRITE_MAP_KINDS[self.kind].format(expected=self.expected)
+            held = (f"; slot {self.value} is held by request {self.owner} token {self.owner_token}"
+                    if self.owner is not None else "")
+            return f"{head}{name}[{self.pos}] = {self.value} {what}{held}{tail}"
         if 0 <= self.value < self.high:
             tail = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
             return (f"{head}{name}[{self.pos}] = {self.value} is not allocated "
                     f"({'double free' if self.freed else 'freed'}){tail}")
         return f"{head}{self.bad} of {self.numel} slot ids outside [0, {self.high}): {name}[{self.pos}] = {self.value}"
+
+
+# [ownership] Kind (record.Kind) -> its name in the report; the write map's kinds in words.
+KIND_NAMES = {0: "bounds", 1: "freed", 2: "double_free", 3: "other_request", 4: "duplicate", 5: "shared_row",
+              6: "owned"}
+WRITE_MAP_KINDS = {
+    "other_request": "is not this token's slot (other_request: req_to_token gives {expected})",
+    "duplicate": "is written twice in this step (duplicate)",
+    "shared_row": "is written by a request whose req_to_token row another request of this step has too (shared_row)",
+    "owned": "is owned by another running request (owned)",
+}
 
 
 def described(violation: Violation) -> str:

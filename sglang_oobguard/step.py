@@ -173,16 +173,21 @@ def make_forward_hook(guard: Any, pool_attr: str) -> Any:
 
     def wrapper(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
         batch = args[0] if args else kwargs.get("forward_batch")
+        swap = None  # [ownership] the cleaned ids this forward writes with
         try:
-            guard.step_begin(runner, batch, getattr(runner, pool_attr, None))
+            swap = guard.step_begin(runner, batch, getattr(runner, pool_attr, None))
         except KVOutOfBoundsError:
             guard.step_end()
             raise
         except Exception as exc:
             guard.internal_error("ModelRunner.forward (step check)", exc)
+        if swap is not None:  # [ownership] bound for this forward only; sglang's tensor is restored after it
+            batch.out_cache_loc, swap = swap, batch.out_cache_loc
         try:
             return wrapped(*args, **kwargs)
         finally:
+            if swap is not None:  # [ownership]
+                batch.out_cache_loc = swap
             guard.step_end()
 
     return wrapper

@@ -42,6 +42,8 @@ SPEC = {
 WORKLOADS = {
     "batch": (PROMPTS, dict(max_total_tokens=2048, disable_radix_cache=True, enable_tokenizer_batch_encode=True)),
     "radix": (RADIX_PROMPTS, dict(max_total_tokens=384, chunked_prefill_size=32)),
+    # three concurrent requests (ownership faults: token 0's request, the next one, and one untouched)
+    "three": (PROMPTS[:3], dict(max_total_tokens=2048, disable_radix_cache=True, enable_tokenizer_batch_encode=True)),
 }
 
 
