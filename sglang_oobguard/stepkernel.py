@@ -294,3 +294,25 @@ def clean_view(tables: Tables, ids: torch.Tensor) -> torch.Tensor:
     """The cleaned copy's place for these ids, in the pool's buffer (no allocation
     unless a step has more ids than the buffer, which then grows once)."""
     return tables.clean.view(ids.dtype)[:ids.numel()]
+
+
+def warm_up(tables: Tables, device: torch.device, high: int, live: Optional[probe.Live], record: torch.Tensor,
+            step: torch.Tensor, message: Optional[str], ids_dtypes: tuple = (torch.int64, torch.int32)) -> None:
+    """Compile, by empty launches, the variants a server's steps ask for (each family,
+    decode with and without encoder_lens, with and without out_cache_loc_virtual, in
+    sglang's dtypes: int32 req_to_token and extend lengths, int64 req_pool_indices,
+    seq_lens and positions), so that serving never compiles. `message` set: strict."""
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    i64 = torch.zeros(1, dtype=torch.int64, device=device)
+    i32 = torch.zeros(1, dtype=torch.int32, device=device)
+    for dtype in ids_dtypes:
+        ids = torch.empty(0, dtype=dtype, device=device)
+        clean = None if message is not None else clean_view(tables, ids)
+        for family in FAMILIES:
+            for virt in (False, True):
+                for offset in ((False, True) if family == "decode" else (False,)):
+                    rule = Rule(family, ids, ids.clone() if virt else ids, table, i64, 0, i64,
+                                starts=i32 if family == "extend" else None, counts=i32 if family == "extend" else None,
+                                prefix=i32 if family == "extend" else None, offset=i64 if offset else None,
+                                positions=i64 if family == "draft" else None)
+                    launch(rule, high, 0, -1, record, step, tables, live, clean, message)

@@ -67,7 +67,7 @@ def check_step(guard: Any, runner: Any, batch: Any, pool: Any) -> tuple[bool, Op
             call = finding.record(guard.step_site, -1, high, loc.numel(), guard.steps.number)
             guard.report_now(state, call, **_named(finding, rule, rids))
             return True, cleaned  # warn mode: the others raised
-        tables = _tables(state, rule, high)
+        tables = _tables(guard, state, rule, high)
         strict = guard.config.mode is Mode.STRICT and loc.is_cuda
         clean = None if strict else stepkernel.clean_view(tables, loc)
         stepkernel.launch(rule, high, guard.step_site, -1, state.record.tensor, guard.steps.counter(state.device),
@@ -82,7 +82,7 @@ def check_step(guard: Any, runner: Any, batch: Any, pool: Any) -> tuple[bool, Op
         return False, None
 
 
-def _tables(state: Any, rule: writemap.Rule, high: int) -> stepkernel.Tables:
+def _tables(guard: Any, state: Any, rule: writemap.Rule, high: int) -> stepkernel.Tables:
     """The pool's stamp tables and copy buffer: made once (grown once if a later table
     or step is larger: never the case within one server's shapes)."""
     tables = state.__dict__.get(TABLES_ATTR)
@@ -90,8 +90,13 @@ def _tables(state: Any, rule: writemap.Rule, high: int) -> stepkernel.Tables:
     if tables is None or tables.slot_stamps.numel() < high or tables.row_stamps.numel() < rows \
             or tables.clean.numel() < n:
         capacity = max(n, high, 0 if tables is None else tables.clean.numel())
+        fresh = tables is None
         tables = stepkernel.new_tables(high, rows, capacity, rule.ids.device)
         state.__dict__[TABLES_ATTR] = tables
+        if fresh and rule.ids.is_cuda:  # compile every variant now, at the pool's first step, not later in serving
+            strict = guard.config.mode is Mode.STRICT
+            stepkernel.warm_up(tables, rule.ids.device, high, state.live, state.record.tensor,
+                               guard.steps.counter(state.device), guard.message(guard.step_site) if strict else None)
     return tables
 
 

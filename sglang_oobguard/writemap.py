@@ -181,6 +181,14 @@ def token_map(rule: Rule, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tok, r, p
 
 
+def _repeats(values: np.ndarray) -> bool:
+    """Whether any value occurs twice (a set for a few, a sort for many)."""
+    if values.size <= 64:
+        return len(set(values.tolist())) != values.size
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteFinding], torch.Tensor]:
     """The write map, duplicates, shared rows, bounds and (with `live`, a probe.Live)
     liveness and ownership of one forward's CPU ids. Returns (None, ids) when clean,
@@ -216,19 +224,20 @@ def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteF
         dead = ~out & (val >= page) & (flags[pg] == 0)
         kind[dead & (kind < 0)] = Kind.FREED
     kind[(virt != expected) & (kind < 0)] = Kind.OTHER_REQUEST
-    if tok.size > 1:  # a row whose req_pool_idx an earlier row (with tokens) has too
+    if rows_all.size > 1 and _repeats(rows_all):  # a row whose req_pool_idx an earlier row (with tokens) has too
         rok = (rpi >= 0) & (rpi < nrows)
         at = np.flatnonzero(rok)
         _, first_at, inverse = np.unique(rpi[at], return_index=True, return_inverse=True)
         shared = np.zeros(tok.shape, dtype=bool)
         shared[at] = r[at][first_at][inverse] != r[at]
         kind[shared & (kind < 0)] = Kind.SHARED_ROW
-    if tok.size > 1:
+    unique_slots = True
+    if tok.size > 1 and _repeats(val):  # an earlier real token (in range) has the same slot
+        unique_slots = False
         stamped = np.flatnonzero(~out)
         first = np.zeros(tok.shape, dtype=bool)
         first[stamped[np.unique(val[stamped], return_index=True)[1]]] = True
         kind[~out & ~first & (kind < 0)] = Kind.DUPLICATE
-    own = np.full(tok.shape, -1, dtype=np.int64)
     if owner is not None:
         pg = np.where(out, 0, val) // page
         held = ~out & (val >= page)
@@ -238,21 +247,27 @@ def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteF
             pages, mine = pg[at], rpi[at] + 1
             cur = owner[pages].astype(np.int64)
             fresh = cur == 0
-            if fresh.any():  # unowned pages: the first token (in order) of each claims it
+            if fresh.any() and page == 1 and unique_slots:  # one token per page: each claims its own
+                owner[pages[fresh]] = mine[fresh]
+                cur = np.where(fresh, mine, cur)
+            elif fresh.any():  # unowned pages: the first token (in order) of each claims it
                 uniq, first_at, inverse = np.unique(pages[fresh], return_index=True, return_inverse=True)
                 winners = mine[fresh][first_at]
                 owner[uniq] = winners
                 cur = cur.copy()
                 cur[fresh] = winners[inverse]
             kind[at[cur != mine]] = Kind.OWNED
-        own[held] = owner[pg[held]].astype(np.int64) - 1  # after this step's claims
     bad = kind >= 0
     if not bad.any():
         return None, rule.ids
     first_bad = int(np.argmax(bad))
     i = int(tok[first_bad])
+    slot = int(val[first_bad])
+    own = -1  # the slot's owner after this step's claims
+    if owner is not None and page <= slot < high:
+        own = int(owner[slot // page]) - 1
     finding = WriteFinding(int(kind[first_bad]), int(bad.sum()), i, int(ids[i]), int(r[first_bad]),
-                           int(expected[first_bad]), int(own[first_bad]), int(p[first_bad]))
+                           int(expected[first_bad]), own, int(p[first_bad]))
     cleaned = rule.ids.clone()
     cleaned[torch.from_numpy(tok[bad])] = 0
     return finding, cleaned

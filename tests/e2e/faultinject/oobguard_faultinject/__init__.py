@@ -153,10 +153,10 @@ def _ownership_fault(wrapped, instance, args, kwargs, batch, loc, token: int, ra
             table[cell] = value
     bad[token] = value
     batch.out_cache_loc = bad
+    rids = getattr(batch, "rids", None)
+    owner = (rids[0] if raw == "dup" else rids[token + 1]) if rids else None
     print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc {before} -> "
-          f"{value} (pid {os.getpid()}; {_whose(batch, token)}; {raw}; owner rid "
-          f"{batch.rids[token + 1] if raw != 'dup' and getattr(batch, 'rids', None) else None})",
-          file=sys.stderr, flush=True)
+          f"{value} (pid {os.getpid()}; {_whose(batch, token)}; {raw}; owner rid {owner})", file=sys.stderr, flush=True)
     _count += 1
     _tally["steps"] += 1
     try:
