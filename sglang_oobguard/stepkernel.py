@@ -204,6 +204,7 @@ def _step_kernel(
     if ASSERT:
         tl.device_assert(total == 0, MESSAGE)
     hit = total > 0
+    tl.debug_barrier()  # every lane's claims made before the owner is read back below
     # the first bad token again (one lane), for its details
     at = tl.where(hit, pos, 0) + tl.zeros([BLOCK], dtype=tl.int64)
     one = hit & (lanes == 0)
@@ -233,7 +234,8 @@ def _step_kernel(
     kind = tl.where((kind < 0) & okv & ((_LOW_MASK - (slot_stamp & _LOW_MASK)) != at), K_DUP, kind)
     if HAS_OWNER:
         held = okv & (val >= live_page)
-        cur = tl.load(owner_ptr + val // live_page, mask=held, other=0).to(tl.int64)
+        cur = tl.atomic_add(owner_ptr + val // live_page, tl.zeros([BLOCK], dtype=tl.int32), mask=held)
+        cur = tl.where(held, cur, 0).to(tl.int64)
         kind = tl.where(kind < 0, K_OWNED, kind)  # nothing else was wrong with it: its owner was
         owner_row = tl.where(held & (cur != 0), cur - 1, -1)
     calls = tl.atomic_add(record_ptr + _CALLS, tl.full([], 1, tl.int64), mask=hit)

@@ -96,3 +96,22 @@ def test_radix_shared_prefixes_chunks_and_eviction_raise_nothing_with_the_owner_
     tally = run.tally(rank=0)
     assert tally["probes"] >= tally["steps"] > 0, tally  # the step check ran every forward
     assert not run.leftovers
+
+
+RETRACTED = re.compile(r"(?:KV cache pool is full\. Retract requests\.|Testing retraction\.) #retracted_reqs: (\d+)")
+
+
+def test_retraction_raises_nothing(model):
+    """sglang's own retraction test mode (SGLANG_TEST_RETRACT: retract_decode every 3rd
+    forward, the scheduler's real path: the requests' slots freed or kept in the radix
+    tree, their rows handed back, then prefilled again): strict + liveness, the radix
+    workload: nothing reported, and the tokens of the same run unguarded."""
+    retract = {"SGLANG_TEST_RETRACT": "1"}
+    reference = run_engine(model, retract, workload="radix")
+    assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE, **retract}, workload="radix")
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert sum(int(n) for n in RETRACTED.findall(run.log)) > 0, run.log[-3000:]  # it did retract
+    assert run.result["outputs"] == reference.result["outputs"]
+    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    assert not run.leftovers
