@@ -115,3 +115,22 @@ def test_retraction_raises_nothing(model):
     assert run.result["outputs"] == reference.result["outputs"]
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     assert not run.leftovers
+
+
+@pytest.mark.parametrize("workload,options", [("mixed", ()), ("batch", ("eagle",)), ("batch", ("ngram",))],
+                         ids=["mixed-chunks", "eagle", "ngram"])
+def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, workload, options):
+    """Mixed chunked prefill (MIXED), EAGLE (target EXTEND, draft EXTEND and DECODE steps,
+    TARGET_VERIFY, DRAFT_EXTEND_V2) and NGRAM (TARGET_VERIFY): strict + liveness, no
+    forward skipped by the write map, nothing reported, the unguarded tokens."""
+    reference = clean if workload == "batch" else reference_tokens(model, workload, options)
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload=workload, options=options)
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert run.result["outputs"] == reference
+    assert "write map not checked" not in run.log, [l for l in run.log.splitlines() if "write map" in l]
+    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    if options:
+        assert run.result["spec_verify_ct"] > 0
+    else:
+        assert re.search(r"Prefill batch[^\n]*#running-req: [1-9]", run.log), run.log[-3000:]  # mixed with decodes
+    assert not run.leftovers
