@@ -105,7 +105,7 @@ class Guard:
     def publish(self, state: PoolState, record: Optional[Record], **where: Any) -> None:
         if state.record.unreported(record):
             assert record is not None
-            fields = {} if free_param(record.site) else self.steps.where(record.step, record.pos, record.numel)
+            fields = {} if free_param(record.site) else self.steps.where(record)
             self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **{**fields, **where}),
                                   fatal=self.config.mode is not Mode.WARN)
 

@@ -4,11 +4,13 @@ sglang runs every forward pass through `ModelRunner.forward(forward_batch, ...)`
 releases of the matrix). Wrapping it gives the guard a step boundary:
 
 - the deferred GPU records are read there (no sync);
-- `forward_batch.out_cache_loc` is checked once, before any layer runs, against the
-  pool it targets (`targets.POOL_IDS`) and, with liveness on, its shadow: whatever
-  writer uses those ids next (a pool method, a fused kernel, an attention op that
-  writes K/V itself) is covered, and the layers' probes of the same ids object in
-  the same step are served the step's result (`writes.check_write`'s memo);
+- `forward_batch.out_cache_loc` is checked once, before any layer runs (`stepmap`):
+  against the pool it targets (`targets.POOL_IDS`), sglang's own req_to_token (the
+  write map: another request's slot, a slot twice, a row twice) and, with liveness
+  on, the shadow and its owners. Whatever writer uses those ids next (a pool method,
+  a fused kernel, an attention op that writes K/V itself) is covered, and the
+  layers' probes of the same ids object in the same step are served the step's
+  result, cleaned in raise and warn (`writes.check_write`'s memo);
 - the step is numbered and its batch remembered (`steps`), so a report read later
   names the request and the token.
 """
@@ -19,10 +21,11 @@ from typing import Any
 
 import torch
 
-from . import device
+from . import device, stepmap
 
 from .guard import Guard
 from .report import KVOutOfBoundsError
+from .pools import STATE_ATTR
 from .targets import POOL_IDS
 from .writes import check_write
 
@@ -37,8 +40,16 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> None:
     for state in list(guard.states):  # the copy the last step's end started (step_end starts the next)
         guard.publish(state, state.record.poll(restart=False))
     loc = getattr(batch, "out_cache_loc", None)
-    if isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size"):
-        check_write(guard, pool, guard.step_site, 0, loc, POOL_IDS.high(pool), lambda: -1)
+    if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
+        return
+    high = POOL_IDS.high(pool)
+    mapped = None if capturing else stepmap.check_step(guard, runner, batch, pool, high)  # a capture: no host values
+    if mapped is None:  # bounds and liveness alone
+        check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
+        return
+    passed, where = mapped
+    live = pool.__dict__[STATE_ATTR].live is not None
+    guard.calls.memo[(id(pool), high, 0, id(loc), id(None), live)] = (loc, passed, where >= 0, where)
 
 
 def step_end(guard: Guard) -> None:

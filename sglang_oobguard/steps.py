@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import device
+from . import device, writemap
 
 LAYOUTS_KEPT = 32  # steps whose layout a late report can still name
 
@@ -127,10 +127,23 @@ class Steps:
         except TypeError:
             return ranks_of(runner)
 
-    def where(self, step: int, pos: int, numel: int) -> dict[str, Any]:
-        """The Violation fields of a position of that step's ids: the step, and the
-        request and token, when the ids follow out_cache_loc's order (same count, or
-        padded after)."""
+    def where(self, record: Any) -> dict[str, Any]:
+        """The Violation fields of a record's first bad id: its step, and the request
+        and token when the ids follow out_cache_loc's order (same count, or padded
+        after); for a write-map or owner violation, the owner too."""
+        fields = self._where(record.step, record.pos, record.numel)
+        seen = self.find(record.step) if record.step >= 0 else None
+        if seen is None or record.kind not in writemap.NAMED_KINDS or seen.pool_indices is None:
+            return fields
+        try:
+            table = seen.runner.req_to_token_pool.req_to_token
+            return {**fields, **writemap.named(table, seen.pool_indices[:seen.batch_size], seen.rids, record.kind,
+                                               record.row, fields.get("token"), record.value, record.owner,
+                                               record.expected)}
+        except Exception:  # a report names what it can
+            return fields
+
+    def _where(self, step: int, pos: int, numel: int) -> dict[str, Any]:
         seen = self.find(step) if step >= 0 else None
         if seen is None:
             return {"step": step}

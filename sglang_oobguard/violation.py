@@ -98,7 +98,7 @@ class Violation:
         and request fields."""
         return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
                    record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
-                   Kind(record.kind).name.lower(), expected=record.expected, **where)
+                   Kind(record.kind).name.lower(), **{"expected": record.expected, **where})
 
     def as_dict(self) -> dict[str, Any]:
         """The report file's JSON object."""
@@ -119,24 +119,23 @@ class Violation:
             return f"{self.bad} of {self.numel} slot ids outside [0, {self.high}): {at}"
         if self.kind in ("freed", "double_free"):
             return f"{at} is not allocated ({'double free' if self.freed else 'freed'}){more}"
+        held = "" if self.owner is None else f"; slot {self.value} is held by request {self.owner}" + (
+            f" token {self.owner_token}" if self.owner_token is not None else "")
         if self.kind == "other_request":
-            return f"{at} is not this token's slot (req_to_token holds {self.expected}){more}"
+            return f"{at} is not this token's slot (req_to_token holds {self.expected}){held}{more}"
         if self.kind == "duplicate":
-            return f"{at} is written by two tokens of this forward step{more}"
+            return f"{at} is written by two tokens of this forward step{held}{more}"
         if self.kind == "shared_row":
-            return f"req_pool_indices[{self.pos}] = {self.value} is shared by two requests of this forward step"
-        return f"{at} is owned by another running request{more}"
+            return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
+        return f"{at} is owned by another running request{held}{more}"
 
     def context(self) -> str:
-        """Where in serving it happened, when known: step, mode, batch, both requests, ranks."""
+        """Where in serving it happened, when known: step, mode, batch, the writing request, ranks."""
         parts = []
         if self.step >= 0:
             parts.append(f"step {self.step}" + (f" ({self.mode}, batch {self.batch_size})" if self.mode else ""))
         if self.request is not None:
             parts.append(f"request {self.request}" + (f" token {self.token}" if self.token is not None else ""))
-        if self.owner is not None:
-            parts.append(f"owner request {self.owner}" +
-                         (f" token {self.owner_token}" if self.owner_token is not None else ""))
         if self.ranks:
             parts.append(self.ranks)
         return "; ".join(parts)

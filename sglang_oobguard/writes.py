@@ -24,8 +24,6 @@ from .report import KVOutOfBoundsError
 from .shadow import Live
 from .violation import is_site_label
 
-SMALL = 32  # up to this many ids a Python list is the quickest host check
-
 
 def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tensor, high: int,
                 layer: Callable[[], int], lens: Optional[torch.Tensor] = None, slots: bool = True) -> torch.Tensor:
@@ -50,10 +48,6 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
         if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for.get(hit[3]) is loc):
             return hit[1]
     if host:
-        if lens is None and live is None and loc.dim() == 1 and loc.numel() <= SMALL:  # the common clean write
-            few = loc.tolist()
-            if not few or (min(few) >= 0 and max(few) < high):
-                return loc
         passed = _scan(guard, state, site, loc, high, layer, lens, live)
         where = -1
     else:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch

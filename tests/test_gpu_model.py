@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import sys
 
 import pytest
 import torch

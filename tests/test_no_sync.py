@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sglang_oobguard
 from helpers import Layer, mha, token_allocator
 from sglang_oobguard import guard as guard_mod
-from sglang_oobguard import hostscan, kernels, liveness, pools, record, shadow, stepcheck, writes
+from sglang_oobguard import device, hostscan, kernels, liveness, pools, record, shadow, stepcheck, writes
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
@@ -81,7 +81,7 @@ def test_host_scan_is_what_would_sync(mp):
 
 
 HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_mod.Guard.state,
-            guard_mod.Guard.publish, pools.PoolState.copy_for, pools.PoolState.saw_stream,
+            guard_mod.Guard.publish, pools.PoolState.copy_for, device.Order.probed, device.Order.after,
             pools.PoolState.after_probes, pools.region, writes.make_wrapper, writes._layer_id, writes.replaced,
             kernels.launch, kernels.programs, record.PoolRecord.poll, record.PoolRecord.unreported,
             liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 
 from helpers import Layer, mha, token_allocator

@@ -17,6 +17,13 @@ or `runner=target` (EAGLE's two model runners), `rank=1` (one tensor-parallel ra
 `out_cache_loc[token]` back to the allocator (`token_to_kv_pool_allocator.free`)
 while its request still runs, then lets the forward write there: a use after free.
 
+`value=cross` (three requests, decode): token 0's `out_cache_loc` gets the slot that
+holds the first token (position 0) of the next running request (token 1's request),
+read from req_to_token. `value=dup`: token 1 gets token 0's slot. `value=twin`: as
+cross, and the faulted request's req_to_token entry is rewritten to match before the
+forward and restored after it, so the tables agree (one slot held by two running
+requests) while sglang's own books (frees, its leak check) stay balanced.
+
 `site=move` counts `move_kv_cache` calls instead (speculative decoding's move of the
 accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
 (`value=freed` is the only value there): a move into a slot already given back. Its
@@ -101,6 +108,8 @@ def _forward(wrapped, instance, args, kwargs):
             raw = spec["value"]
             if raw == "freed":
                 _free_one(instance.token_to_kv_pool_allocator, loc, token, "out_cache_loc", _count)
+            elif raw in ("cross", "dup", "twin"):
+                return _ownership_fault(wrapped, instance, args, kwargs, batch, loc, token, raw)
             else:
                 pool = instance.token_to_kv_pool
                 value = pool.size + pool.page_size + int(raw[5:]) if raw.startswith("high+") else int(raw)
@@ -123,6 +132,38 @@ def _forward(wrapped, instance, args, kwargs):
         wrapt.wrap_function_wrapper("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.move_kv_cache", _move)
         _move_wrapped.append(True)
     return wrapped(*args, **kwargs)
+
+
+def _ownership_fault(wrapped, instance, args, kwargs, batch, loc, token: int, raw: str):
+    """cross / dup / twin on this forward (a decode: token i is request i's new token)."""
+    global _count
+    table = instance.req_to_token_pool.req_to_token
+    rows = batch.req_pool_indices
+    bad = loc.clone()
+    before = int(bad[token])
+    restore = None
+    if raw == "dup":
+        value = int(loc[0])
+    else:  # the slot of the next request's first token
+        value = int(table[int(rows[token + 1]), 0])
+        if raw == "twin":  # the faulted request's own entry names the same slot, for this forward
+            position = int(batch.seq_lens[token]) - 1
+            cell = (int(rows[token]), position)
+            restore = (cell, int(table[cell]))
+            table[cell] = value
+    bad[token] = value
+    batch.out_cache_loc = bad
+    rids = getattr(batch, "rids", None)
+    owner = (rids[0] if raw == "dup" else rids[token + 1]) if rids else None
+    print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: out_cache_loc {before} -> "
+          f"{value} (pid {os.getpid()}; {_whose(batch, token)}; {raw}; owner rid {owner})", file=sys.stderr, flush=True)
+    _count += 1
+    _tally["steps"] += 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        if restore is not None:
+            table[restore[0]] = restore[1]
 
 
 def _dump() -> None:
@@ -207,3 +248,8 @@ def load() -> None:
     if os.environ.get("OOBGUARD_COUNT"):
         wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.hostscan")
         wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.kernels")
+        # the step's write-map check probes out_cache_loc instead of scan_host / launch
+        wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "check_host", _counter("probes")),
+                                        "sglang_oobguard.writemap")
+        wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "launch", _counter("probes")),
+                                        "sglang_oobguard.stepkernel")

@@ -1,0 +1,136 @@
+"""End to end, ownership: a write that lands in range, on a live slot, that belongs to
+another running request. The real sglang 0.5.23 Engine on the CPU, three concurrent
+requests (greedy), the fault plugin (tests/e2e/faultinject) at decode step 3:
+
+- cross: token 0 (request 0) gets the slot of request 1's first token;
+- dup: token 1 (request 1) gets token 0's slot;
+- twin: as cross, and request 0's req_to_token entry says the same for that forward: the
+  tables agree, only the owner check (liveness on) sees it.
+
+Strict fails the engine, with no hang, and the report names the slot and both rids;
+warn serves every request, and the owner's tokens and the untouched request's are the
+clean run's. The write map is on whenever the guard is; the owner check with liveness."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from e2e.harness import assert_radix_reused, reference_tokens, run_engine
+
+pytestmark = pytest.mark.e2e
+
+LIVE = {"SGLANG_OOBGUARD_LIVENESS": "1"}
+INJECTED = re.compile(r"oobguard_faultinject: step 3 token (\d) of 3: out_cache_loc \d+ -> (\d+) \(pid \d+; mode decode "
+                      r"rid (\w+) token \d+; (\w+); owner rid (\w+)\)")
+# fault -> (writer token, owner token, untouched token, what the report says, settings)
+FAULTS = {
+    "cross": (0, 1, 2, "is not this token's slot (req_to_token holds", {}),
+    "dup": (1, 0, 2, "is not this token's slot (req_to_token holds", {}),
+    "twin": (0, 1, 2, "is owned by another running request", LIVE),
+}
+
+
+@pytest.fixture(scope="module")
+def three_clean(model):
+    return reference_tokens(model, "three")
+
+
+def fault_run(model, fault: str, mode: str, extra: dict):
+    writer = FAULTS[fault][0]
+    return run_engine(model, {"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0", **extra,
+                              "OOBGUARD_FAULT": f"step=3,token={writer},value={fault}"}, workload="three")
+
+
+@pytest.mark.parametrize("mode", ["strict", "warn"])
+@pytest.mark.parametrize("fault", ["cross", "dup", "twin"])
+def test_a_slot_of_another_running_request_is_caught_named_and_contained(model, three_clean, fault, mode):
+    writer, owner, untouched, what, extra = FAULTS[fault]
+    run = fault_run(model, fault, mode, extra)
+    (found,) = INJECTED.findall(run.log)
+    slot, writer_rid, owner_rid = int(found[1]), found[2], found[4]
+    assert int(found[0]) == writer and found[3] == fault
+    report = re.compile(rf"out_cache_loc \(forward step\): loc\[{writer}\] = {slot} {re.escape(what)}[^;]*; "
+                        rf"slot {slot} is held by request (\w+) token (\d+) \(pool MHATokenToKVPool\); "
+                        rf"step \d+ \(decode, batch 3\); request {writer_rid} token \d+")
+    hits = report.findall(run.log)
+    assert hits, run.log[-4000:]
+    assert hits[0][0] == owner_rid != writer_rid  # both sides named
+    if fault != "dup":
+        assert hits[0][1] == "0"  # the slot of the next request's first token
+    if mode == "strict":
+        assert f"KVOutOfBoundsError: out_cache_loc (forward step): loc[{writer}] = {slot}" in run.log
+        assert run.result is None and run.returncode != 0  # reported, not hung
+    else:
+        assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+        outputs = run.result["outputs"]
+        assert all(len(tokens) == 16 for tokens in outputs)
+        assert "write contained" in run.log
+        assert outputs[owner] == three_clean[owner], (outputs, three_clean)  # the owner's KV survived
+        assert outputs[untouched] == three_clean[untouched]
+        assert "memory leak" not in run.log
+    assert not run.leftovers
+
+
+def test_twin_without_liveness_is_not_seen_by_the_write_map(model, three_clean):
+    """Honest limit: the tables agree, so the write map alone cannot see a twin; only the
+    owner check (SGLANG_OOBGUARD_LIVENESS=1) does. The owner's tokens are corrupted."""
+    run = fault_run(model, "twin", "strict", {})
+    assert len(INJECTED.findall(run.log)) == 1
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    assert run.result["outputs"][1] != three_clean[1]  # request 1's first token's KV was overwritten
+    assert not run.leftovers
+
+
+def test_radix_shared_prefixes_chunks_and_eviction_raise_nothing_with_the_owner_check(model, radix_clean):
+    """44 requests on 4 shared prefixes (read by many, written once), 32-token chunks,
+    slots evicted and handed out again: strict, liveness on: no report, the unguarded tokens."""
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload="radix", count=True)
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert run.result["outputs"] == radix_clean
+    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    assert "write map not checked" not in run.log  # extend, mixed and decode all mapped
+    assert_radix_reused(run)
+    tally = run.tally(rank=0)
+    assert tally["probes"] >= tally["steps"] > 0, tally  # the step check ran every forward
+    assert not run.leftovers
+
+
+RETRACTED = re.compile(r"(?:KV cache pool is full\. Retract requests\.|Testing retraction\.) #retracted_reqs: (\d+)")
+
+
+def test_retraction_raises_nothing(model):
+    """sglang's own retraction test mode (SGLANG_TEST_RETRACT: retract_decode every 3rd
+    forward, the scheduler's real path: the requests' slots freed or kept in the radix
+    tree, their rows handed back, then prefilled again): strict + liveness, the radix
+    workload: nothing reported, and the tokens of the same run unguarded."""
+    retract = {"SGLANG_TEST_RETRACT": "1"}
+    reference = run_engine(model, retract, workload="radix")
+    assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE, **retract}, workload="radix")
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert sum(int(n) for n in RETRACTED.findall(run.log)) > 0, run.log[-3000:]  # it did retract
+    assert run.result["outputs"] == reference.result["outputs"]
+    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    assert not run.leftovers
+
+
+@pytest.mark.parametrize("workload,options", [("mixed", ()), ("batch", ("eagle",)), ("batch", ("ngram",))],
+                         ids=["mixed-chunks", "eagle", "ngram"])
+def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, workload, options):
+    """Mixed chunked prefill (MIXED), EAGLE (target EXTEND, draft EXTEND and DECODE steps,
+    TARGET_VERIFY, DRAFT_EXTEND_V2) and NGRAM (TARGET_VERIFY): strict + liveness, no
+    forward skipped by the write map, nothing reported, the unguarded tokens."""
+    reference = clean if workload == "batch" else reference_tokens(model, workload, options)
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload=workload, options=options)
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert run.result["outputs"] == reference
+    assert "write map not checked" not in run.log, [l for l in run.log.splitlines() if "write map" in l]
+    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    if options:
+        assert run.result["spec_verify_ct"] > 0
+    else:
+        assert re.search(r"Prefill batch[^\n]*#running-req: [1-9]", run.log), run.log[-3000:]  # mixed with decodes
+    assert not run.leftovers
