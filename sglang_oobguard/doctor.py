@@ -15,7 +15,8 @@ from . import config
 from .discover import Found, Skipped
 from .quiet import quiet
 from .violation import site_label
-from .targets import FUSED_WRITERS, STEP_HOOK, SUPPORTED, TESTED, is_supported, module_file, version_of_sglang
+from .targets import (FUSED_WRITERS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, is_supported, module_file,
+                      version_of_sglang)
 
 
 def run() -> int:
@@ -94,6 +95,10 @@ def _outside_pools() -> list[str]:
     lines = ["forward step (one check of out_cache_loc per step, reports at step boundaries):",
              f"  {STEP_HOOK.owner + '.' + STEP_HOOK.method:48} "
              f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
+             "  the write map (each token's slot is req_to_token's; no slot or row twice), the owner check with "
+             "liveness; not checked:",
+             *(f"    {name}: {why}" for name, why in UNMAPPED),
+             "  fused writers that take out_cache_loc themselves are reported, not contained, for ownership",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]
     for writer in FUSED_WRITERS:
         states = [found(module, "", writer.function) for module in writer.modules]

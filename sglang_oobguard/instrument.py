@@ -31,7 +31,8 @@ from .liveness import make_wrapper as make_allocator_wrapper
 from .log import ensure_visible, logger
 from .reportfile import open_report
 from .stepcheck import make_forward_hook
-from .targets import FUSED_WRITERS, STEP_HOOK, UPSTREAM_PROBE, is_supported, module_file, version_of_sglang
+from .targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
+                      version_of_sglang)
 from .violation import Violation
 from .writers import make_writer_wrapper
 from .writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
@@ -254,8 +255,10 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.entries if isinstance(entry, Found)]
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
-                "defined so far), sglang %s, liveness=%s", os.getpid(), config.mode.value, config.backend.value,
-                config_mod.BACKEND_PATHS[config.backend], len(guarded), version, "on" if config.liveness else "off")
+                "defined so far), sglang %s, liveness=%s (owner check %s), write map on (not for: %s)", os.getpid(),
+                config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
+                version, "on" if config.liveness else "off", "on" if config.liveness else "off",
+                "; ".join(name for name, _ in UNMAPPED))
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,

@@ -161,6 +161,15 @@ class StepHook:
     pool_attr: str
 
 
+# The step check's write map (`writemap`): for doctor and the activation line, what it
+# does not check, by name (a short name, and why).
+UNMAPPED = (
+    ("prebuilt, split_prefill, dllm_extend forwards", "no mapping measured: bounds and liveness only"),
+    ("draft steps on translated pools", "out_cache_loc_virtual spans every draft step: bounds and liveness only"),
+    ("EAGLE draft decode and draft extend under CUDA graphs",
+     "EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner.execute replay without ModelRunner.forward: "
+     "no step check; their layers' captured probes still check bounds and liveness at every replay"),
+)
 STEP_HOOK = StepHook("sglang.srt.model_executor.model_runner", "ModelRunner", "forward", "token_to_kv_pool")
 
 

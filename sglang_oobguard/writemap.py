@@ -40,13 +40,6 @@ import torch
 from .record import Kind, Record
 
 FAMILIES = ("extend", "decode", "draft", "verify")
-# For doctor and the activation line: what the write map does not check, by name.
-UNMAPPED = (
-    "forward modes prebuilt, split_prefill, dllm_extend: no mapping measured (bounds and liveness only)",
-    "a draft step on a translated pool (out_cache_loc_virtual spans every draft step): bounds and liveness only",
-    "EAGLE draft decode and draft extend replayed from CUDA graphs (EAGLEDraftCudaGraphRunner / "
-    "EAGLEDraftExtendCudaGraphRunner.execute skip ModelRunner.forward): unchecked by the step check",
-)
 KIND_NAMES = {Kind.BOUNDS: "bounds", Kind.FREED: "freed", Kind.DOUBLE_FREE: "double_free",
               Kind.OTHER_REQUEST: "other_request", Kind.DUPLICATE: "duplicate", Kind.SHARED_ROW: "shared_row",
               Kind.OWNED: "owned"}
