@@ -36,24 +36,12 @@ import triton
 import triton.language as tl
 
 from . import device, kernels
-from .kernels import _CALLS, _NO_POS
-from .record import OFFSET, Kind
+from .kernels import (_BAD, _CALLS, _EXPECTED, _HIGH, _KIND, _LAYER, _NO_POS, _NUMEL, _OWNER, _POS, _ROW, _SITE,
+                      _STEP, _TOTAL_BAD, _VALUE)
+from .record import Kind
 from .shadow import Live
 from .writemap import FAMILIES, Rule
 
-_TOTAL_BAD = tl.constexpr(OFFSET["total_bad"])
-_SITE = tl.constexpr(OFFSET["site"])
-_LAYER = tl.constexpr(OFFSET["layer"])
-_HIGH = tl.constexpr(OFFSET["high"])
-_BAD = tl.constexpr(OFFSET["bad"])
-_NUMEL = tl.constexpr(OFFSET["numel"])
-_POS = tl.constexpr(OFFSET["pos"])
-_VALUE = tl.constexpr(OFFSET["value"])
-_STEP = tl.constexpr(OFFSET["step"])
-_KIND = tl.constexpr(OFFSET["kind"])
-_ROW = tl.constexpr(OFFSET["row"])
-_EXPECTED = tl.constexpr(OFFSET["expected"])
-_OWNER = tl.constexpr(OFFSET["owner"])
 _LOW_MASK = tl.constexpr(2**31 - 1)
 
 K_BOUNDS = tl.constexpr(int(Kind.BOUNDS))
@@ -118,6 +106,22 @@ def _token_map(offs, n, batch, search, FAMILY: tl.constexpr, width, steps, page,
     return real, r, p
 
 
+@triton.jit
+def _read_token(raw, offs, real, r, p, virt_ptr, virt_stride, rows_ptr, table_ptr, table_stride, nrows, ncols,
+                HAS_VIRT: tl.constexpr):
+    """A token's slot, the id compared with req_to_token (its virtual id when set), its
+    request's row, and the slot req_to_token gives it (-1 outside the table)."""
+    val = raw.to(tl.int64)
+    if HAS_VIRT:
+        virt = tl.load(virt_ptr + offs * virt_stride, mask=real, other=0).to(tl.int64)
+    else:
+        virt = val
+    rpi = tl.load(rows_ptr + r, mask=real, other=0).to(tl.int64)
+    in_table = real & (rpi >= 0) & (rpi < nrows) & (p >= 0) & (p < ncols)
+    expected = tl.where(in_table, tl.load(table_ptr + rpi * table_stride + p, mask=in_table, other=-1).to(tl.int64), -1)
+    return val, virt, rpi, expected
+
+
 @triton.jit(do_not_specialize=["n", "batch", "search", "width", "steps", "page", "high", "site", "layer",
                                "live_page", "live_high", "ncols", "nrows", "ids_stride", "virt_stride", "table_stride"],
             do_not_specialize_on_alignment=["ids_ptr", "virt_ptr", "table_ptr", "rows_ptr", "seq_ptr", "starts_ptr",
@@ -162,15 +166,8 @@ def _step_kernel(
         real, r, p = _token_map(offs, n, batch, search, FAMILY, width, steps, page, starts_ptr, counts_ptr,
                                 prefix_ptr, seq_ptr, offset_ptr, pos_ptr, HAS_OFFSET)
         raw = tl.load(ids_ptr + offs * ids_stride, mask=inside, other=0)
-        val = raw.to(tl.int64)
-        if HAS_VIRT:
-            virt = tl.load(virt_ptr + offs * virt_stride, mask=real, other=0).to(tl.int64)
-        else:
-            virt = val
-        rpi = tl.load(rows_ptr + r, mask=real, other=0).to(tl.int64)
-        in_table = real & (rpi >= 0) & (rpi < nrows) & (p >= 0) & (p < ncols)
-        expected = tl.load(table_ptr + rpi * table_stride + p, mask=in_table, other=-1).to(tl.int64)
-        expected = tl.where(in_table, expected, -1)
+        val, virt, rpi, expected = _read_token(raw, offs, real, r, p, virt_ptr, virt_stride, rows_ptr, table_ptr,
+                                               table_stride, nrows, ncols, HAS_VIRT)
         out = real & ((val < 0) | (val >= high))
         kind = tl.where(out, K_BOUNDS, -1)
         ok = real & ~out
@@ -210,14 +207,9 @@ def _step_kernel(
     one = hit & (lanes == 0)
     real, r, p = _token_map(at, n, batch, search, FAMILY, width, steps, page, starts_ptr, counts_ptr,
                             prefix_ptr, seq_ptr, offset_ptr, pos_ptr, HAS_OFFSET)
-    val = tl.load(ids_ptr + at * ids_stride, mask=one, other=0).to(tl.int64)
-    if HAS_VIRT:
-        virt = tl.load(virt_ptr + at * virt_stride, mask=one, other=0).to(tl.int64)
-    else:
-        virt = val
-    rpi = tl.load(rows_ptr + r, mask=one, other=0).to(tl.int64)
-    in_table = one & (rpi >= 0) & (rpi < nrows) & (p >= 0) & (p < ncols)
-    expected = tl.where(in_table, tl.load(table_ptr + rpi * table_stride + p, mask=in_table, other=-1).to(tl.int64), -1)
+    raw = tl.load(ids_ptr + at * ids_stride, mask=one, other=0)
+    val, virt, rpi, expected = _read_token(raw, at, one, r, p, virt_ptr, virt_stride, rows_ptr, table_ptr,
+                                           table_stride, nrows, ncols, HAS_VIRT)
     out = (val < 0) | (val >= high)
     kind = tl.where(out, K_BOUNDS, -1)
     owner_row = tl.full([BLOCK], -1, dtype=tl.int64)

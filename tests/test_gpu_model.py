@@ -18,34 +18,10 @@ import torch
 
 import sglang_oobguard
 from devmodel import GraphError, Model
-from helpers import Layer, as_write_loc, mha, run_python, token_allocator
+from helpers import Layer, mha, run_python, token_allocator
 from sglang_oobguard import KVOutOfBoundsError, flush, record
 
 LAYERS, HIGH = 4, 65
-
-
-@pytest.fixture
-def runner(mp, monkeypatch):
-    """sglang's ModelRunner.forward with the guard's step hook, its model replaced
-    (test-only) by one write per layer at the batch's out_cache_loc through the real pool."""
-    from sglang.srt.model_executor.model_runner import ModelRunner
-
-    def make(pool):
-        run = ModelRunner.__new__(ModelRunner)
-        run.token_to_kv_pool, run.tp_rank, run.pp_rank, run.dp_rank = pool, 0, 0, 0
-        hooked = ModelRunner.__dict__["forward"]
-        assert hasattr(hooked, "__wrapped__"), "the guard did not hook ModelRunner.forward"
-
-        def layers(self, batch, *args, **kwargs):
-            k = torch.ones(batch.out_cache_loc.numel(), 2, 4)
-            for layer in range(LAYERS):
-                self.token_to_kv_pool.set_kv_buffer(Layer(layer), as_write_loc(mp, batch.out_cache_loc), k, k)
-            return "output"
-
-        monkeypatch.setattr(hooked, "__wrapped__", layers)
-        return run
-
-    return make
 
 
 @pytest.fixture(autouse=True)
