@@ -10,14 +10,18 @@ releases of the matrix). Wrapping it gives the guard a step boundary:
   on, the shadow and its owners. Whatever writer uses those ids next (a pool method,
   a fused kernel, an attention op that writes K/V itself) is covered, and the
   layers' probes of the same ids object in the same step are served the step's
-  result, cleaned in raise and warn (`writes.check_write`'s memo);
+  result (`writes.check_write`'s memo). In raise and warn, when the step check
+  contained ids, its cleaned copy is bound to `forward_batch.out_cache_loc` for that
+  one forward and sglang's own tensor (never changed) is bound back after it: sglang
+  0.5.23 copies the batch into its runner's buffers before any layer writes, so this
+  is the one way the contained ids reach every writer of the step;
 - the step is numbered and its batch remembered (`steps`), so a report read later
   names the request and the token.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -30,8 +34,10 @@ from .targets import POOL_IDS
 from .writes import check_write
 
 
-def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> None:
-    """A step boundary: report what landed, then check this step's out_cache_loc."""
+def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[torch.Tensor]:
+    """A step boundary: report what landed, then check this step's out_cache_loc.
+    Returns the cleaned ids this forward must write with (raise and warn, when the
+    step check contained some), or None."""
     capturing = device.capturing()
     guard.calls.depth += 1  # first: step_end undoes it whatever fails below
     guard.steps.open += 1
@@ -41,15 +47,16 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> None:
         guard.publish(state, state.record.poll(restart=False))
     loc = getattr(batch, "out_cache_loc", None)
     if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
-        return
+        return None
     high = POOL_IDS.high(pool)
     mapped = None if capturing else stepmap.check_step(guard, runner, batch, pool, high)  # a capture: no host values
     if mapped is None:  # bounds and liveness alone
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
-        return
+        return None
     passed, where = mapped
     live = pool.__dict__[STATE_ATTR].live is not None
     guard.calls.memo[(id(pool), high, 0, id(loc), id(None), live)] = (loc, passed, where >= 0, where)
+    return None if passed is loc else passed
 
 
 def step_end(guard: Guard) -> None:
@@ -67,16 +74,21 @@ def make_forward_hook(guard: Guard, pool_attr: str) -> Any:
 
     def wrapper(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
         batch = args[0] if args else kwargs.get("forward_batch")
+        cleaned = None
         try:
-            step_begin(guard, runner, batch, getattr(runner, pool_attr, None))
+            cleaned = step_begin(guard, runner, batch, getattr(runner, pool_attr, None))
         except KVOutOfBoundsError:
             step_end(guard)
             raise
         except Exception as exc:
             guard.internal_error("ModelRunner.forward (step check)", exc)
+        if cleaned is not None:  # bound for this forward only: sglang copies the batch before any layer writes
+            cleaned, batch.out_cache_loc = batch.out_cache_loc, cleaned
         try:
             return wrapped(*args, **kwargs)
         finally:
+            if cleaned is not None:
+                batch.out_cache_loc = cleaned  # sglang's own tensor, never changed, bound again
             step_end(guard)
 
     return wrapper
