@@ -55,8 +55,12 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
         return None
     passed, where = mapped
     live = pool.__dict__[STATE_ATTR].live is not None
-    guard.calls.memo[(id(pool), high, 0, id(loc), id(None), live)] = (loc, passed, where >= 0, where)
-    return None if passed is loc else passed
+    memo = guard.calls.memo
+    memo[(id(pool), high, 0, id(loc), id(None), live)] = (loc, passed, where >= 0, where)
+    if passed is loc:
+        return None
+    memo[(id(pool), high, 0, id(passed), id(None), live)] = (passed, passed, False, -1)  # checked: itself
+    return passed
 
 
 def step_end(guard: Guard) -> None:
