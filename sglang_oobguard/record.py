@@ -63,7 +63,7 @@ def fold_host(record: torch.Tensor, call: Record) -> None:
     record.copy_(torch.tensor(new, dtype=torch.int64))
 
 
-SLOTS = 4  # pinned mirror slots per record: a copy started at step N's end is read by step N + lag + 1 (lag < SLOTS - 1)
+SLOTS = 4  # pinned mirror slots per record: a copy started at step N's end is read at step N + lag + 1 (lag < SLOTS)
 
 
 class _Slot:
@@ -89,9 +89,11 @@ class PoolRecord:
     free slot, every poll reads each slot whose event has completed (oldest first) and
     frees it, and nothing ever waits. So with the host `lag` steps ahead of the device
     (sglang's overlap scheduler: 1), a violation in step N is read at step
-    N + lag + 1's start, for any lag < SLOTS - 1 (tests/test_gpu_model.py proves it
-    under the device model). When every slot is still in flight, a copy is skipped:
-    the record only grows, so the next copy carries the skipped one's contents.
+    N + lag + 1's start while lag < SLOTS (a slot is in flight for lag + 1 step ends).
+    Beyond, every slot may be in flight at a step's end and its copy is skipped (the
+    record only grows: the next copy carries the skipped one's contents), so the bound
+    is N + lag + 1 + (lag + 1 - SLOTS). tests/test_gpu_model.py proves both under the
+    device model.
     `flush` waits (exit and explicit check points only)."""
 
     def __init__(self, where: torch.device) -> None:

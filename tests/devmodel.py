@@ -317,7 +317,7 @@ class Model:
 
     def enqueue(self, fn: Callable[..., Any], *args: Any) -> None:
         label = getattr(fn, "__name__", None) or type(fn).__name__
-        if args and isinstance(args[0], object) and type(fn).__name__ == "_Launcher":
+        if type(fn).__name__ == "_Launcher":  # probe's kernel launcher: args[0] is the kernel
             label = f"launch {getattr(args[0], '__name__', args[0])}"
             self.counts["launches"] += 1
         if self.capture is not None:
