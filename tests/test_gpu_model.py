@@ -248,6 +248,38 @@ def test_the_model_graph_catches_a_freed_buffer():
             graph.replay()
 
 
+def test_the_model_orders_streams_by_waits_and_events_only():
+    """The model itself: an unordered other stream runs first; a wait orders it; an
+    event completes when the device reaches it; a mirror read early shows old contents."""
+    from sglang_oobguard import device
+
+    with Model(lag=1) as model:
+        a, b = model.new_stream("a"), model.new_stream("b")
+        seen: list[str] = []
+        with model.stream(a):
+            device.enqueue(seen.append, "a1")
+        with model.stream(b):
+            device.enqueue(seen.append, "b1")
+        model.synchronize()
+        assert seen == ["b1", "a1"]  # no order between the streams: the adversary ran b first
+        seen.clear()
+        with model.stream(a):
+            device.enqueue(seen.append, "a2")
+        with model.stream(b):
+            device.wait(b, a)
+            device.enqueue(seen.append, "b2")
+        model.synchronize()
+        assert seen == ["a2", "b2"]
+        src, dst = torch.tensor([7]), torch.tensor([0])
+        event = device.event(src.device)
+        device.copy_async(dst, src)
+        event.record()
+        model.host_step()  # the host is a step ahead: the device has not run this step yet
+        assert not event.query() and dst.tolist() == [0]
+        model.host_step()
+        assert event.query() and dst.tolist() == [7]
+
+
 def test_a_write_larger_than_the_copy_buffer_does_not_move_it(mp, guard, caplog):
     with Model(eager=True) as model:  # eager: the probe's copy is made before sglang's write reads it
         guard("warn")
