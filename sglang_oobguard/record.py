@@ -99,6 +99,7 @@ class PoolRecord:
     def __init__(self, where: torch.device) -> None:
         self.tensor = torch.zeros(RECORD_LEN, dtype=torch.int64, device=where)
         self._gpu = device.is_gpu(where)
+        self._backend = device.backend()  # a record made under a test's device model is flushed under it only
         self._slots = [_Slot(self.tensor) for _ in range(SLOTS if self._gpu else 1)]
         self._next = 0  # the slot the next copy goes to; the oldest in flight when the ring is full
         self._lock = threading.Lock()  # the idle flusher's thread polls too
@@ -159,7 +160,7 @@ class PoolRecord:
         """Wait for every copy in flight, then for one more copy of the record as it is
         after all that the current stream enqueued: the record, read back. May wait (an
         event synchronize): process exit, shutdown and check points only."""
-        if self._gpu and device.capturing():
+        if self._backend is not device.backend() or (self._gpu and device.capturing()):
             return None
         with self._lock:
             for slot in self._slots:
