@@ -663,3 +663,19 @@ def test_the_read_back_and_ordering_source_calls_no_host_read():
                     assert (name, owner) == ("tolist", "slot.view"), f"{fn.__qualname__}: {owner}.{name}()"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id != "bool", f"{fn.__qualname__}: bool() on the hot path"
+
+
+def test_the_real_backend_asks_for_a_stream_with_an_index(monkeypatch):
+    """device.Cuda: a pool's device may be torch.device("cuda") with no index (sglang
+    passes "cuda"); the raw stream read takes an int (checked with the runtime mocked)."""
+    from sglang_oobguard import device
+
+    asked = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: asked.append(index) or 1234)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert device.CUDA.stream_id(torch.device("cuda")) == 1234
+    assert device.CUDA.stream_id(torch.device("cuda", 1)) == 1234
+    assert asked == [3, 1]
+    assert device.CUDA.is_gpu(torch.device("cuda")) and not device.CUDA.is_gpu(torch.zeros(1))
+    if not torch.cuda.is_initialized():
+        assert device.CUDA.capturing() is False
