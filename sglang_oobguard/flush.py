@@ -72,6 +72,9 @@ def _after_fork() -> None:
     global _idle, _lock
     _lock = threading.Lock()  # the parent's may have been held at the fork
     _idle = None
+    for guard in list(_guards):  # so may a record's, by the parent's idle flusher
+        for state in list(guard.states):
+            state.record.after_fork()
     if len(_guards):
         _start_idle()
 

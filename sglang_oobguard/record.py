@@ -153,6 +153,10 @@ class PoolRecord:
         self.started += 1
         self._next = (self._next + 1) % len(self._slots)
 
+    def after_fork(self) -> None:
+        """A forked child: the parent's idle flusher may have held the lock at the fork."""
+        self._lock = threading.Lock()
+
     def in_flight(self) -> int:
         return sum(slot.pending for slot in self._slots)
 
