@@ -110,6 +110,25 @@ def test_a_violation_in_step_n_is_reported_at_step_n_plus_lag_plus_1(mp, guard, 
         assert pool._oobguard_state.record.skipped == 0
 
 
+def test_raise_mode_raises_into_the_step_at_n_plus_lag_plus_1(mp, guard, runner):
+    """The overlap scheduler (lag 1), raise mode: the forward of step N + 2 raises, from
+    its step boundary, the violation of step N."""
+    with Model(lag=1) as model:
+        guard("raise")
+        run = runner(mha(mp))
+        raised = -1
+        for step in range(6):
+            try:
+                run.forward(decode_batch(torch.tensor([1, 2, HIGH + 5 if step == 2 else 3])))
+            except KVOutOfBoundsError as exc:
+                raised = step
+                assert exc.step == 2 and exc.value == HIGH + 5
+                break
+            finally:
+                model.host_step()
+        assert raised == 2 + 1 + 1
+
+
 def test_reports_do_not_starve_over_many_steps(mp, guard, runner):
     """A violation every 4th step, the host one step ahead: each is read 2 steps later."""
     with Model(lag=1) as model:
