@@ -77,10 +77,13 @@ class Cuda:
         return where.is_cuda if isinstance(where, torch.Tensor) else where.type == "cuda"
 
     def capturing(self) -> bool:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        # nothing captures before CUDA is initialized (a flag read: cheaper than is_available())
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
     def stream_id(self, where: torch.device) -> Hashable:
-        return torch._C._cuda_getCurrentRawStream(where.index)  # a cheap raw-pointer read, no Stream object
+        # a cheap raw-pointer read, no Stream object; a pool's device may be "cuda" with no index
+        index = where.index if where.index is not None else torch.cuda.current_device()
+        return torch._C._cuda_getCurrentRawStream(index)
 
     def current_stream(self, where: torch.device) -> Any:
         return torch.cuda.current_stream(where)

@@ -28,6 +28,7 @@ A process killed by SIGKILL runs no atexit; the idle flush is what covers it.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import weakref
 from typing import Any, Optional
@@ -48,15 +49,33 @@ _atexit_registered = False
 
 def watch(guard: Guard) -> None:
     """Flush this guard's records when the server idles and at process exit."""
-    global _idle, _atexit_registered
+    global _atexit_registered
     with _lock:
         _guards.add(guard)
         if not _atexit_registered:
             atexit.register(at_exit)
+            os.register_at_fork(after_in_child=_after_fork)
             _atexit_registered = True
-        if _idle is None:
-            _idle = Idle(IDLE_S)
-            _idle.start()
+        _start_idle()
+
+
+def _start_idle() -> None:
+    global _idle
+    if _idle is None:
+        _idle = Idle(IDLE_S)
+        _idle.start()
+
+
+def _after_fork() -> None:
+    """A forked child has no threads but the one that forked: its own idle flusher."""
+    global _idle, _lock
+    _lock = threading.Lock()  # the parent's may have been held at the fork
+    _idle = None
+    for guard in list(_guards):  # so may a record's, by the parent's idle flusher
+        for state in list(guard.states):
+            state.record.after_fork()
+    if len(_guards):
+        _start_idle()
 
 
 def _publish(guard: Guard, state: Any, record: Any) -> None:

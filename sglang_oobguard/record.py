@@ -51,7 +51,7 @@ def fold_host(record: torch.Tensor, call: Record) -> None:
     record.copy_(torch.tensor(new, dtype=torch.int64))
 
 
-SLOTS = 4  # pinned mirror slots per record: a copy started at step N's end is read by step N + lag + 1 (lag < SLOTS - 1)
+SLOTS = 4  # pinned mirror slots per record: a copy started at step N's end is read at step N + lag + 1 (lag < SLOTS)
 
 
 class _Slot:
@@ -77,14 +77,17 @@ class PoolRecord:
     free slot, every poll reads each slot whose event has completed (oldest first) and
     frees it, and nothing ever waits. So with the host `lag` steps ahead of the device
     (sglang's overlap scheduler: 1), a violation in step N is read at step
-    N + lag + 1's start, for any lag < SLOTS - 1 (tests/test_gpu_model.py proves it
-    under the device model). When every slot is still in flight, a copy is skipped:
-    the record only grows, so the next copy carries the skipped one's contents.
+    N + lag + 1's start while lag < SLOTS (a slot is in flight for lag + 1 step ends).
+    Beyond, every slot may be in flight at a step's end and its copy is skipped (the
+    record only grows: the next copy carries the skipped one's contents), so the bound
+    is N + lag + 1 + (lag + 1 - SLOTS). tests/test_gpu_model.py proves both under the
+    device model.
     `flush` waits (exit and explicit check points only)."""
 
     def __init__(self, where: torch.device) -> None:
         self.tensor = torch.zeros(RECORD_LEN, dtype=torch.int64, device=where)
         self._gpu = device.is_gpu(where)
+        self._backend = device.backend()  # a record made under a test's device model is flushed under it only
         self._slots = [_Slot(self.tensor) for _ in range(SLOTS if self._gpu else 1)]
         self._next = 0  # the slot the next copy goes to; the oldest in flight when the ring is full
         self._lock = threading.Lock()  # the idle flusher's thread polls too
@@ -138,6 +141,10 @@ class PoolRecord:
         self.started += 1
         self._next = (self._next + 1) % len(self._slots)
 
+    def after_fork(self) -> None:
+        """A forked child: the parent's idle flusher may have held the lock at the fork."""
+        self._lock = threading.Lock()
+
     def in_flight(self) -> int:
         return sum(slot.pending for slot in self._slots)
 
@@ -145,7 +152,7 @@ class PoolRecord:
         """Wait for every copy in flight, then for one more copy of the record as it is
         after all that the current stream enqueued: the record, read back. May wait (an
         event synchronize): process exit, shutdown and check points only."""
-        if self._gpu and device.capturing():
+        if self._backend is not device.backend() or (self._gpu and device.capturing()):
             return None
         with self._lock:
             for slot in self._slots:
