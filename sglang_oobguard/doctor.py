@@ -16,7 +16,7 @@ from .discover import Found, Skipped
 from .quiet import quiet
 from .violation import site_label
 from .targets import (FUSED_WRITERS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, is_supported, module_file,
-                      version_of_sglang)
+                      version_of_sglang, write_map_off)
 
 
 def run() -> int:
@@ -96,7 +96,7 @@ def _outside_pools() -> list[str]:
              f"  {STEP_HOOK.owner + '.' + STEP_HOOK.method:48} "
              f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
              "  the write map (each token's slot is req_to_token's; no slot or row twice), the owner check with "
-             "liveness; not checked:",
+             f"liveness: {'OFF, ' + write_map_off() if write_map_off() else 'on'}; not checked:",
              *(f"    {name}: {why}" for name, why in UNMAPPED),
              "  fused writers that take out_cache_loc themselves are reported, not contained, for ownership",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]

@@ -32,7 +32,7 @@ from .log import ensure_visible, logger
 from .reportfile import open_report
 from .stepcheck import make_forward_hook
 from .targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
-                      version_of_sglang)
+                      version_of_sglang, write_map_off)
 from .violation import Violation
 from .writers import make_writer_wrapper
 from .writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
@@ -255,10 +255,11 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.entries if isinstance(entry, Found)]
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
-                "defined so far), sglang %s, liveness=%s (owner check %s), write map on (not for: %s)", os.getpid(),
+                "defined so far), sglang %s, liveness=%s (owner check %s), %s", os.getpid(),
                 config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
                 version, "on" if config.liveness else "off", "on" if config.liveness else "off",
-                "; ".join(name for name, _ in UNMAPPED))
+                f"write map off ({write_map_off()})" if write_map_off() else
+                f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})")
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,

@@ -18,6 +18,7 @@ A write method that no rule covers is not guarded and is named with the reason.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -170,6 +171,26 @@ UNMAPPED = (
      "EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner.execute replay without ModelRunner.forward: "
      "no step check; their layers' captured probes still check bounds and liveness at every replay"),
 )
+# The releases whose forward modes the write map was measured on (shared/reference/
+# write-map.md): elsewhere a mismatch could be a layout the guard does not know, which
+# would fail a healthy server in strict mode, so the step check keeps bounds and
+# liveness there and says so.
+WRITE_MAP_SINCE = (0, 5, 23)
+
+
+def write_map_off() -> Optional[str]:
+    """Why the write map is off on the installed sglang, or None when it is on."""
+    version = version_of_sglang()
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        if Version(version).release[:3] >= WRITE_MAP_SINCE:
+            return None
+    except InvalidVersion:
+        pass
+    return f"sglang {version}: the write map was measured on {'.'.join(map(str, WRITE_MAP_SINCE))}+ only"
+
+
 STEP_HOOK = StepHook("sglang.srt.model_executor.model_runner", "ModelRunner", "forward", "token_to_kv_pool")
 
 
@@ -285,6 +306,7 @@ def module_file(module: str) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def version_of_sglang() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

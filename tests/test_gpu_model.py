@@ -18,7 +18,7 @@ import torch
 
 import sglang_oobguard
 from devmodel import GraphError, Model
-from helpers import Layer, mha, run_python, token_allocator
+from helpers import SHIM, Layer, mha, run_python, token_allocator
 from sglang_oobguard import KVOutOfBoundsError, flush, record
 
 LAYERS, HIGH = 4, 65
@@ -177,7 +177,7 @@ def test_exit_flush_waits_for_the_device(mp, guard, runner):
         assert v.value == HIGH + 2
 
 
-WARN_EXIT = """
+WARN_EXIT = SHIM + """
 import os, torch, sglang_oobguard
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 sglang_oobguard.install()

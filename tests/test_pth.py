@@ -14,7 +14,7 @@ import zipfile
 
 import pytest
 
-from helpers import ROOT, run_python
+from helpers import ROOT, SHIM, run_python
 
 PTH = ROOT / "sglang_oobguard.pth"
 
@@ -123,7 +123,7 @@ def test_pool_classes_defined_after_the_hook_are_guarded_once(site_dir):
         assert got["modules"] > 1
 
 
-WHEEL_INSTALL = """
+WHEEL_INSTALL = SHIM.replace("{", "{{").replace("}", "}}") + """
 import json, site, sys
 sys.path.insert(0, {target!r})  # the wheel's package first, before the editable one
 site.addsitedir({target!r})  # runs its sglang_oobguard.pth, as at a regular install's interpreter start

@@ -14,6 +14,9 @@ import torch
 
 from sglang_oobguard import shadow, stepkernel, writemap
 from sglang_oobguard.record import RECORD_LEN, Kind, Record
+from sglang_oobguard.targets import write_map_off
+
+pytestmark = pytest.mark.skipif(write_map_off() is not None, reason=str(write_map_off()))
 
 ROWS, COLS, HIGH = 12, 48, 1200
 
