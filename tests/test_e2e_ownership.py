@@ -123,7 +123,10 @@ def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, work
     """Mixed chunked prefill (MIXED), EAGLE (target EXTEND, draft EXTEND and DECODE steps,
     TARGET_VERIFY, DRAFT_EXTEND_V2) and NGRAM (TARGET_VERIFY): strict + liveness, no
     forward skipped by the write map, nothing reported, the unguarded tokens."""
-    reference = clean if workload == "batch" else reference_tokens(model, workload, options)
+    # EAGLE with the model as its own draft gives the plain run's tokens; NGRAM's verify
+    # batches move a near tie of this tiny random model (request 3, token 12): its own
+    # unguarded run is the reference.
+    reference = clean if options == ("eagle",) else reference_tokens(model, workload, options)
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload=workload, options=options)
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
     assert run.result["outputs"] == reference
