@@ -122,8 +122,10 @@ def test_retraction_raises_nothing(model):
 def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, workload, options):
     """Mixed chunked prefill (MIXED), EAGLE (target EXTEND, draft EXTEND and DECODE steps,
     TARGET_VERIFY, DRAFT_EXTEND_V2) and NGRAM (TARGET_VERIFY): strict + liveness, no
-    forward skipped by the write map, nothing reported, the unguarded tokens."""
-    reference = clean if workload == "batch" else reference_tokens(model, workload, options)
+    forward skipped by the write map, nothing reported, the tokens of the same run unguarded."""
+    # the same run unguarded: NGRAM's verify flips a near tie of this tiny random model (request 3, token 12)
+    # against the plain run, guard or not
+    reference = clean if workload == "batch" and options == ("eagle",) else reference_tokens(model, workload, options)
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload=workload, options=options)
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
     assert run.result["outputs"] == reference
