@@ -136,3 +136,18 @@ def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, work
     else:
         assert re.search(r"Prefill batch[^\n]*#running-req: [1-9]", run.log), run.log[-3000:]  # mixed with decodes
     assert not run.leftovers
+
+
+def test_a_full_pool_retracts_and_raises_nothing(model):
+    """A real retraction: 44 requests admitted aggressively (schedule_conservativeness
+    0.01) into a pool of 384 slots: decode runs out of room, sglang retracts requests
+    (frees their slots, hands their rows back) and prefills them again later. Strict +
+    liveness: nothing reported, the tokens of the same run unguarded."""
+    reference = run_engine(model, {}, workload="retract")
+    assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload="retract")
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    assert "KV cache pool is full. Retract requests." in run.log and sum(map(int, RETRACTED.findall(run.log))) > 0
+    assert run.result["outputs"] == reference.result["outputs"]
+    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    assert not run.leftovers
