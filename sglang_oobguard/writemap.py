@@ -65,8 +65,22 @@ class Rule(NamedTuple):
     page: int = 1  # draft: the allocator's page size
 
 
+_MODE_NAMES: dict = {}
+
+
 def _mode(batch: Any) -> str:
-    return getattr(getattr(batch, "forward_mode", None), "name", "unknown").lower()
+    mode = getattr(batch, "forward_mode", None)
+    try:
+        name = _MODE_NAMES.get(mode)
+    except TypeError:
+        name = None
+    if name is None:
+        name = getattr(mode, "name", "unknown").lower()
+        try:
+            _MODE_NAMES[mode] = name
+        except TypeError:
+            pass
+    return name
 
 
 def _tensor(value: Any) -> Optional[torch.Tensor]:
@@ -189,6 +203,71 @@ def _repeats(values: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
+FEW = 64  # up to this many ids (decode batches), a clean step is checked in plain Python first
+
+
+def _clean_few(rule: Rule, ids: np.ndarray, high: int, live: Any) -> bool:
+    """The fast answer for a clean step of a few tokens (decode, verify, draft): True
+    when every check passes (the owner claims then made, as the full check makes
+    them); False: check it in full (which finds and claims the same)."""
+    w = rule.width
+    vals = ids.tolist()
+    b = rule.batch
+    count = min(len(vals), b * w)
+    if not count:
+        return True
+    vals = vals[:count]
+    if min(vals) < 0 or max(vals) >= high or len(set(vals)) != count:
+        return False
+    rows = _np(rule.rows)[:b].tolist()
+    if len(set(rows)) != b:
+        return False
+    seq = _np(rule.seq_lens)[:b].tolist()
+    table = _np(rule.table)
+    nrows, ncols = table.shape
+    virt = vals if rule.virtual is rule.ids else _np(rule.virtual)[:count].tolist()
+    family = rule.family
+    offset = None if rule.offset is None else _np(rule.offset)[:b].tolist()
+    positions = None if rule.positions is None else _np(rule.positions)[:count].tolist()
+    for i in range(count):
+        r, j = divmod(i, w)
+        if family == "decode":
+            p = seq[r] - 1 + (offset[r] if offset is not None else 0)
+        elif family == "verify":
+            p = seq[r] + j
+        else:
+            page = rule.page
+            p = positions[i] + j * (-(-(seq[r] % page + rule.steps) // page) * page)
+        row = rows[r]
+        if not (0 <= row < nrows and 0 <= p < ncols) or table[row, p] != virt[i]:
+            return False
+    if live is None:
+        return True
+    page = live.page
+    flags = live.host if live.host is not None else _np(live.flags)
+    pages = [v // page for v in vals]
+    if not all(v < page or flags[pg] for v, pg in zip(vals, pages)):
+        return False
+    if live.owner is None:
+        return True
+    owner = _np(live.owner)
+    claims = []
+    for i, (v, pg) in enumerate(zip(vals, pages)):
+        if v < page:
+            continue
+        mine = rows[i // w] + 1
+        cur = int(owner[pg])
+        if cur == 0:
+            claims.append((pg, mine))
+        elif cur != mine:
+            return False
+    if page > 1 and len({pg for pg, _ in claims}) != len(claims):
+        return False  # several tokens claim one page: the full check decides in token order
+    for pg, mine in claims:
+        owner[pg] = mine
+    return True
+
+
 def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteFinding], torch.Tensor]:
     """The write map, duplicates, shared rows, bounds and (with `live`, a probe.Live)
     liveness and ownership of one forward's CPU ids. Returns (None, ids) when clean,
@@ -196,6 +275,8 @@ def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteF
     Claims the owner table for the good tokens (a host write into the guard's shadow)."""
     ids = _np(rule.ids)
     n = ids.shape[0]
+    if n <= FEW and rule.family != "extend" and _clean_few(rule, ids, high, live):
+        return None, rule.ids
     tok, r, p = token_map(rule, n)
     if not tok.size:
         return None, rule.ids

@@ -47,6 +47,8 @@ WORKLOADS = {
     # chunked prefill mixed with the running decodes (ForwardMode.MIXED): 16-token chunks
     "mixed": (RADIX_PROMPTS[::4], dict(max_total_tokens=2048, chunked_prefill_size=16, enable_mixed_chunk=True,
                                        disable_radix_cache=True)),
+    # a pool too small for what the scheduler admits (aggressive admission): decode runs out, sglang retracts
+    "retract": (RADIX_PROMPTS, dict(max_total_tokens=384, disable_radix_cache=True, schedule_conservativeness=0.01)),
 }
 
 
