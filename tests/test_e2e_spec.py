@@ -113,6 +113,10 @@ DRAFT_FAULTS = {
 # One run per mode: strict at EAGLE's verify write, warn at NGRAM's move (both name their site).
 @pytest.mark.parametrize("algorithm,mode", [("eagle", "strict"), ("ngram", "warn")])
 def test_a_slot_freed_in_the_draft_path_is_caught_and_contained(model, clean, algorithm, mode):
+    """The untouched requests keep the tokens of the same algorithm unguarded: NGRAM's
+    verify batches move a near tie of this tiny random model (request 3, token 12)
+    against the plain run, guard or not."""
+    reference = reference_tokens(model, "batch", (algorithm,)) if mode == "warn" else clean
     fault, what, report = DRAFT_FAULTS[algorithm]
     run = run_engine(model, {**STRICT_LIVE, "SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0",
                              "OOBGUARD_FAULT": fault}, options=(algorithm,))
@@ -128,6 +132,6 @@ def test_a_slot_freed_in_the_draft_path_is_caught_and_contained(model, clean, al
                          run.log), run.log[-3000:]
         assert re.search(rf"free_index\[\d+\] = {slot} is not allocated \(double free\)", run.log)
         assert "memory leak" not in run.log
-        differ = [i for i, (got, want) in enumerate(zip(run.result["outputs"], clean)) if got != want]
+        differ = [i for i, (got, want) in enumerate(zip(run.result["outputs"], reference)) if got != want]
         assert differ in ([], [0])  # only the faulted request may differ
     assert not run.leftovers
