@@ -15,6 +15,7 @@
 # nice -n 19. Logs: $OOBGUARD_SWEEP_LOGS (default /tmp/oobguard-sweep).
 #     bash ci/sweep.sh                 # every release (hours)
 #     bash ci/sweep.sh 0.5.24          # a new release: one command
+#     OOBGUARD_SWEEP_ROWS_ONLY=1 bash ci/sweep.sh 0.5.20   # rewrite a row from the logs of a run
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -52,6 +53,7 @@ row() {  # VERSION: test it in its venv and write its row
   PYTHONPATH="$standins" nice -n 19 "$venv/bin/python" -m pytest -m "not e2e and not bench" -q -rfE \
     -p no:cacheprovider > "$logs/$version.tests.log" 2>&1
   tests_rc=$?
+  echo "$import_alone $import_standins $doctor_rc $tests_rc" > "$logs/$version.rcs"
   write_row "$version" "$import_alone" "$import_standins" "$doctor_rc" "$tests_rc"
 }
 
@@ -117,7 +119,7 @@ else:
     not_guarded = n.group(1) if n else ("0" if re.search(r"^not guarded: none", out, re.M) else "-")
     if n:
         names = re.findall(r"^  (\S+)", out[n.end():].split("\n\n")[0].split("\nleft alone")[0], re.M)
-        not_guarded += " (" + ", ".join(names) + ")"
+        not_guarded += " (" + ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") + ")"
     if doctor_rc != "0" and not g:
         guarded = "- (" + cell(out.strip().splitlines()[-1][:160] if out.strip() else "no output") + ")"
     log = (logs / f"{version}.tests.log").read_text(errors="replace")
@@ -144,6 +146,14 @@ rows[version] = row
 path.write_text(head + "\n".join(rows[v] for v in sorted(rows, key=key)) + "\n")
 PY
 }
+
+if [[ -n "${OOBGUARD_SWEEP_ROWS_ONLY:-}" ]]; then  # rewrite the rows of these releases from their logs
+  for version in "${versions[@]}"; do
+    if [[ "$(cat "$logs/$version.setup.rc")" != 0 ]]; then write_row "$version" setup-failed; continue; fi
+    write_row "$version" $(cat "$logs/$version.rcs")
+  done
+  exit 0
+fi
 
 next_build=""
 for i in "${!versions[@]}"; do

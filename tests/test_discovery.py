@@ -129,7 +129,7 @@ def test_super_call_with_the_same_ids_is_probed_once(mp, guard, monkeypatch):
     guard("raise", backend="triton")
     launches = count_launches(monkeypatch)
     assert "move_kv_cache" in type(pool).__dict__ and "move_kv_cache" in mp.MLATokenToKVPool.__dict__
-    # Token slots 1 and 0: valid ids, and also rows of the index-K buffer, which has one
+    # Token slots 1 and 0 (and tgt 1 below): valid ids, and also rows of the index-K buffer, which has one
     # row per page (2 rows here). sglang 0.5.13-0.5.22's move copies index-K rows at the
     # token ids themselves (memory_pool.py / index_key_cache.py `index_k[tgt_loc_flat] =
     # index_k[src_loc_flat]`), its own bug, fixed in 0.5.23 (page and offset of each token):
@@ -137,7 +137,7 @@ def test_super_call_with_the_same_ids_is_probed_once(mp, guard, monkeypatch):
     pool.move_kv_cache(torch.tensor([1]), torch.tensor([0]))
     assert [site_label(s) for s in launches] == ["move_kv_cache tgt_loc", "move_kv_cache src_loc"]
     with pytest.raises(KVOutOfBoundsError, match=r"move_kv_cache src_loc: 1 of 1 slot ids outside \[0, 128\)"):
-        pool.move_kv_cache(torch.tensor([3]), torch.tensor([200]))
+        pool.move_kv_cache(torch.tensor([1]), torch.tensor([200]))
         sglang_oobguard.check()
 
 
