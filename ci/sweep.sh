@@ -36,6 +36,9 @@ row() {  # VERSION: test it in its venv and write its row
   local version="$1" venv="$work/$1" standins="$root/tests/standins"
   [[ "$version" == 0.4.* ]] && standins="$standins:$root/tests/standins/releases-0.4"
   local import_alone import_standins doctor_rc tests_rc
+  # sglang's C++ radix tree builds at import into torch's extension cache, one folder per
+  # name: two venvs sharing it rebuild it in turn (minutes each). One folder per release.
+  export TORCH_EXTENSIONS_DIR="$work/$version.torch-extensions"
   if [[ "$(cat "$logs/$version.setup.rc")" != 0 ]]; then
     write_row "$version" setup-failed
     return
@@ -58,7 +61,8 @@ row() {  # VERSION: test it in its venv and write its row
 }
 
 write_row() {  # VERSION then setup-failed, or the rcs of: import alone, import with stand-ins, doctor, tests
-  nice -n 19 python3 - "$root/docs/releases.md" "$logs" "$@" <<'PY'
+  # one writer at a time (two sweeps may run side by side, each with its own releases)
+  nice -n 19 flock "$logs/releases.md.lock" python3 - "$root/docs/releases.md" "$logs" "$@" <<'PY'
 import re, sys
 from pathlib import Path
 
@@ -165,7 +169,7 @@ for i in "${!versions[@]}"; do
     build "${versions[$((i + 1))]}" & next_build=$!
   fi
   row "$version"
-  rm -rf "${work:?}/$version"
+  rm -rf "${work:?}/$version" "${work:?}/$version.torch-extensions"
   grep -F "| $version |" docs/releases.md
 done
 [[ -n "$next_build" ]] && wait "$next_build"
