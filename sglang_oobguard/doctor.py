@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from . import config
-from .discover import Found, Skipped
+from .discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from .quiet import quiet
+from .targets import (FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, is_supported,
+                      module_file, version_of_sglang, write_map_off)
 from .violation import site_label
-from .targets import (FUSED_WRITERS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, is_supported, module_file,
-                      version_of_sglang, write_map_off)
 
 
 def run() -> int:
@@ -34,6 +34,9 @@ def run() -> int:
     except ModuleNotFoundError as exc:
         print(f"sglang_oobguard doctor: {exc.name} is not installed for {sys.executable}; the guard runs inside "
               "sglang and needs its torch: run doctor with the python that runs sglang")
+        return 2
+    except _PoolsUnimportable as exc:
+        print(exc)
         return 2
     version = version_of_sglang()
     low, high = (".".join(map(str, v)) for v in SUPPORTED)
@@ -112,11 +115,34 @@ def _inspect() -> tuple[dict[str, str], Any, Any]:
     the guard would wrap. Raises ModuleNotFoundError, torch named first, where the
     guard's dependencies are missing."""
     importlib.import_module("torch")
-    from .discover import import_pool_modules
-    from .discover import allocator_targets, coverage
-
+    _import_pools()
     unimported = import_pool_modules()
     return unimported, coverage(), allocator_targets()
+
+
+class _PoolsUnimportable(Exception):
+    """sglang's memory_pool does not import: the one line that says why and what to do."""
+
+
+def _import_pools() -> None:
+    """Import sglang's memory_pool; any exception it raises (a missing module, or a
+    TypeError in a dependency of the wrong version) becomes one line naming the cause:
+    with no pools there is nothing to guard, and doctor must not say otherwise."""
+    try:
+        importlib.import_module(MEMORY_POOL)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        cause = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        if isinstance(exc, ModuleNotFoundError) and exc.name in ("sglang", "sglang.srt"):
+            todo = f"sglang is not installed for {sys.executable}: run doctor with the python that runs sglang"
+        elif isinstance(exc, ModuleNotFoundError):
+            todo = (f"install {exc.name} into the python that runs sglang ({sys.executable}), "
+                    "or run doctor with that python")
+        else:
+            todo = ("a dependency of sglang is missing or of a version this sglang does not work with: "
+                    "install the versions this sglang release requires (pip show sglang; its Requires-Dist)")
+        raise _PoolsUnimportable(f"sglang_oobguard doctor: sglang's pools do not import here, nothing can be guarded "
+                                 f"({MEMORY_POOL}: {cause}); {todo}") from None
 
 
 def _print_report_dir(settings: config.Config) -> None:

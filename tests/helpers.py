@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import subprocess
 import sys
 from importlib.metadata import version
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -27,19 +30,117 @@ def shim_old_sglang() -> None:
         torch._C._cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported
 
 
-def needs(mp, name: str, since: str) -> None:
-    """Skip a test of a feature this sglang release does not have yet."""
+# The release facts the tests rely on, in one place: fact -> (how to see it on the
+# installed sglang, the release it arrived in). Each is detected on the sglang at hand,
+# never inferred from its version number; `needs(fact)` skips a test where it is absent.
+MEMORY_POOL = "sglang.srt.mem_cache.memory_pool"
+SPECULATIVE = "sglang.kernels.ops.speculative"
+
+
+def _module(name: str):
+    """The module `name`, or None where this sglang has no such module."""
+    import importlib
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(name) is None:
+            return None
+    except ModuleNotFoundError:  # a parent package is missing
+        return None
+    return importlib.import_module(name)
+
+
+def _has(module: str, path: str) -> Callable[[], bool]:
+    """Detects attribute `path` (dotted: Class.method) of `module`."""
+
+    def detect() -> bool:
+        target = _module(module)
+        for part in path.split("."):
+            if target is None or not hasattr(target, part):
+                return False
+            target = getattr(target, part)
+        return True
+
+    return detect
+
+
+def _kvwriteloc_physical() -> bool:
+    """KVWriteLoc's `physical` field (0.5.22): a dataclass field, or a constructor argument."""
+    import dataclasses
+
+    cls = getattr(_module(MEMORY_POOL), "KVWriteLoc", None)
+    if cls is None:
+        return False
+    if dataclasses.is_dataclass(cls):
+        return "physical" in {field.name for field in dataclasses.fields(cls)}
+    return "physical" in inspect.signature(cls).parameters
+
+
+@dataclass(frozen=True)
+class Fact:
+    detect: Callable[[], bool]
+    since: str  # the release it arrived in (for the skip's reason; the detection decides)
+
+
+FACTS: dict[str, Fact] = {
+    # memory_pool
+    "MHATokenToKVPoolFP4": Fact(_has(MEMORY_POOL, "MHATokenToKVPoolFP4"), "0.5.8"),
+    "MLATokenToKVPoolFP4": Fact(_has(MEMORY_POOL, "MLATokenToKVPoolFP4"), "0.5.8"),
+    "NoOpMHATokenToKVPool": Fact(_has(MEMORY_POOL, "NoOpMHATokenToKVPool"), "0.5.12"),
+    "maybe_detect_oob": Fact(_has(MEMORY_POOL, "maybe_detect_oob"), "0.5.13"),  # upstream's probe
+    "DSATokenToKVPool": Fact(_has(MEMORY_POOL, "DSATokenToKVPool"), "0.5.13"),
+    "KVWriteLoc": Fact(_has(MEMORY_POOL, "KVWriteLoc"), "0.5.14"),
+    "MHATokenToKVPool.set_kv_buffer_prefix_valid": Fact(_has(MEMORY_POOL, "MHATokenToKVPool.set_kv_buffer_prefix_valid"),
+                                                        "0.5.16"),
+    "MLATokenToKVPool._write_loc_dcp_span": Fact(_has(MEMORY_POOL, "MLATokenToKVPool._write_loc_dcp_span"), "0.5.19"),
+    "KVWriteLoc.physical": Fact(_kvwriteloc_physical, "0.5.22"),
+    "KVCache._check_physical_write_loc": Fact(_has(MEMORY_POOL, "KVCache._check_physical_write_loc"), "0.5.22"),
+    # other modules
+    "plugin loader": Fact(lambda: _module("sglang.srt.plugins") is not None, "0.5.11"),  # sglang.srt.plugins
+    "dsa_cache_layer_split": Fact(lambda: _module("sglang.srt.mem_cache.dsa_cache_layer_split") is not None, "0.5.16"),
+    "PagedTokenToKVPoolAllocator.free_page_ids": Fact(
+        _has("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator.free_page_ids"), "0.5.20"),
+    # the speculative CPU ops the stand-in comparisons (tests/test_standins.py) run
+    "assign_req_to_token_pool": Fact(_has("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool"), "0.5.16"),
+    "assign_extend_cache_locs": Fact(_has(f"{SPECULATIVE}.cache_locs", "assign_extend_cache_locs"), "0.5.16"),
+    "assign_draft_cache_locs_contiguous": Fact(_has(f"{SPECULATIVE}.cache_locs", "assign_draft_cache_locs_contiguous"),
+                                               "0.5.16"),
+    "fill_bonus_tokens": Fact(_has(f"{SPECULATIVE}.eagle", "fill_bonus_tokens"), "0.5.16"),
+    "fill_accept_out_cache_loc": Fact(_has(f"{SPECULATIVE}.eagle", "fill_accept_out_cache_loc"), "0.5.16"),
+    "reconstruct_indices_from_tree_mask_triton": Fact(
+        _has(f"{SPECULATIVE}.reconstruct_tree", "reconstruct_indices_from_tree_mask_triton"), "0.5.21"),
+    "TreeMaskMode": Fact(_has(f"{SPECULATIVE}.spec_tree", "TreeMaskMode"), "0.5.23"),
+    "sgl_build_tree_kernel_triton": Fact(_has(f"{SPECULATIVE}.spec_tree", "sgl_build_tree_kernel_triton"), "0.5.23"),
+    "verify_tree_greedy_triton": Fact(_has(f"{SPECULATIVE}.spec_tree", "verify_tree_greedy_triton"), "0.5.23"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def has(fact: str) -> bool:
+    """Whether the installed sglang has `fact` (a key of FACTS; a KeyError for any other)."""
+    return FACTS[fact].detect()
+
+
+def needs(*facts) -> None:
+    """Skip a test that uses release facts this sglang does not have: `needs("KVWriteLoc",
+    ...)`, each a key of FACTS. (The older form `needs(obj, name, since)` still works.)"""
     import pytest
 
-    if not hasattr(mp, name):
-        pytest.skip(f"{name} does not exist in sglang {SGLANG} (it arrived in {since})")
+    if len(facts) == 3 and not isinstance(facts[0], str):  # needs(obj, name, since)
+        obj, name, since = facts
+        if not hasattr(obj, name):
+            pytest.skip(f"{name} does not exist in sglang {SGLANG} (it arrived in {since})")
+        return
+    for fact in facts:
+        if not has(fact):
+            pytest.skip(f"sglang {SGLANG} lacks {fact} (it arrived in {FACTS[fact].since})")
 
 
 def needs_site(mp, label: str) -> None:
     """Skip a site whose pool class this release does not have (the FP4 pools arrived in 0.5.8)."""
     for tag, name in FP4_POOLS.items():
         if f"({tag})" in label:
-            needs(mp, name, "0.5.8")
+            needs(name)
 
 
 def as_write_loc(mp, loc: torch.Tensor):

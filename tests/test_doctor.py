@@ -113,3 +113,47 @@ def test_doctor_exits_non_zero_when_liveness_is_asked_for_with_the_guard_off():
     proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_LIVENESS": "1"})
     assert proc.returncode == 2
     assert "invalid SGLANG_OOBGUARD_LIVENESS='1'" in proc.stdout and "SGLANG_ENABLE_ASYNC_ASSERT=1" in proc.stdout
+
+
+# A sitecustomize for a fresh interpreter: the import of sglang's memory_pool raises
+# {exc} (as a missing sgl_kernel, or transformers 5.x under sglang 0.5.5, does), while
+# torch and the rest of sglang import as usual.
+FAILING_POOLS = """
+import sys
+
+class _Fail:
+    def find_spec(self, name, path=None, target=None):
+        if name == "sglang.srt.mem_cache.memory_pool":
+            raise {exc}
+        return None
+
+sys.meta_path.insert(0, _Fail())
+"""
+
+
+def _doctor_with_pools_failing(tmp_path, exc: str) -> subprocess.CompletedProcess:
+    (tmp_path / "sitecustomize.py").write_text(FAILING_POOLS.format(exc=exc))
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    return run_python(DOCTOR, {"PYTHONPATH": path})
+
+
+def test_doctor_exits_non_zero_in_one_line_when_a_module_the_pools_need_is_missing(tmp_path):
+    proc = _doctor_with_pools_failing(tmp_path, 'ModuleNotFoundError("No module named \'sgl_kernel\'", name="sgl_kernel")')
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == "" and len(proc.stdout.splitlines()) == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("sglang_oobguard doctor: sglang's pools do not import here, nothing can be guarded "
+                                  "(sglang.srt.mem_cache.memory_pool: ModuleNotFoundError: No module named "
+                                  "'sgl_kernel'); install sgl_kernel into the python that runs sglang"), proc.stdout
+    assert "guarded" not in proc.stdout.replace("nothing can be guarded", "")
+
+
+def test_doctor_exits_non_zero_without_a_traceback_when_the_pools_import_raises_anything_else(tmp_path):
+    """sglang 0.5.5 under transformers 5.x: a TypeError in sglang's janus_pro config."""
+    proc = _doctor_with_pools_failing(tmp_path, 'TypeError("unhashable type: \'dict\'\\nsecond line")')
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == "" and "Traceback" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "sglang_oobguard doctor: sglang's pools do not import here, nothing can be guarded "
+        "(sglang.srt.mem_cache.memory_pool: TypeError: unhashable type: 'dict'); a dependency of sglang is missing "
+        "or of a version this sglang does not work with: install the versions this sglang release requires "
+        "(pip show sglang; its Requires-Dist)"]

@@ -142,7 +142,7 @@ def test_paged_allocator_tracks_whole_pages(mp, allocators, guard, backend, page
 
 
 def test_paged_free_page_ids_double_free(mp, allocators, guard):
-    needs(allocators.PagedTokenToKVPoolAllocator, "free_page_ids", "0.5.20")
+    needs("PagedTokenToKVPoolAllocator.free_page_ids")
     guard("raise", liveness=True)
     pool = mha(mp, 256, 16)
     alloc = paged_allocator(allocators, pool)

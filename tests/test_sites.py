@@ -55,7 +55,7 @@ def test_site_warn_contains_and_records(mp, guard, label, backend):
 def test_mla_bound_follows_the_dcp_span(mp, guard, monkeypatch):
     """0.5.19+: under decode context parallelism set_mla_kv_buffer's loc is logical,
     so the bound is widened by _write_loc_dcp_span exactly as upstream does."""
-    needs(mp.MLATokenToKVPool, "_write_loc_dcp_span", "0.5.19")
+    needs("MLATokenToKVPool._write_loc_dcp_span")
     guard("raise")
     make, method, payload = site_cases(mp)["set_mla_kv_buffer (MLA)"]
     pool = make()

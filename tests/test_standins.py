@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from helpers import ROOT
+from helpers import ROOT, needs
 
 try:  # the older releases of the matrix have no sglang.kernels at all
     _SPECULATIVE = importlib.util.find_spec("sglang.kernels.ops.speculative")
@@ -55,6 +55,7 @@ RPI = torch.tensor([2, 0, 3], dtype=torch.int64)
 
 
 def test_assign_req_to_token_pool_matches_sglangs_triton_kernel(ops):
+    needs("assign_req_to_token_pool")
     from sglang.srt.mem_cache.allocation import assign_req_to_token_pool
 
     starts, ends = torch.tensor([3, 0, 5], dtype=torch.int32), torch.tensor([6, 2, 9], dtype=torch.int32)
@@ -66,6 +67,7 @@ def test_assign_req_to_token_pool_matches_sglangs_triton_kernel(ops):
 
 
 def test_assign_extend_cache_locs_matches_sglangs_triton_kernel(ops):
+    needs("assign_extend_cache_locs")
     from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs
 
     starts, ends = torch.tensor([3, 0, 5]), torch.tensor([6, 2, 9])
@@ -76,6 +78,7 @@ def test_assign_extend_cache_locs_matches_sglangs_triton_kernel(ops):
 
 
 def test_assign_draft_cache_locs_contiguous_matches_sglangs_triton_kernel(ops):
+    needs("assign_draft_cache_locs_contiguous")
     from sglang.kernels.ops.speculative.cache_locs import assign_draft_cache_locs_contiguous
 
     seq_lens = torch.tensor([4, 1, 7])
@@ -86,6 +89,7 @@ def test_assign_draft_cache_locs_contiguous_matches_sglangs_triton_kernel(ops):
 
 
 def test_fill_bonus_tokens_matches_sglangs_triton_kernel(ops):
+    needs("fill_bonus_tokens")
     from sglang.kernels.ops.speculative.eagle import fill_bonus_tokens
 
     accept_tokens = torch.arange(12, dtype=torch.int32).view(3, 4) + 50
@@ -97,6 +101,7 @@ def test_fill_bonus_tokens_matches_sglangs_triton_kernel(ops):
 
 
 def test_fill_accept_out_cache_loc_matches_sglangs_triton_kernel(ops):
+    needs("fill_accept_out_cache_loc")
     from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc
 
     accept_index = torch.tensor([[0, 2, -1], [3, -1, -1], [6, 7, 8]], dtype=torch.int32)
@@ -121,6 +126,7 @@ def _tree_outputs(n: int, bs: int) -> list[torch.Tensor]:
 
 
 def _build_tree(build, topk: int, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    needs("TreeMaskMode")
     from sglang.kernels.ops.speculative.spec_tree import TreeMaskMode
 
     parents, selected, depth, n = TREES[topk]
@@ -132,6 +138,7 @@ def _build_tree(build, topk: int, seq_lens: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("topk", [1, 2])
 def test_build_tree_qlen_only_matches_sglangs_triton_kernel(ops, topk):
+    needs("sgl_build_tree_kernel_triton")
     from sglang.kernels.ops.speculative.spec_tree import sgl_build_tree_kernel_triton
 
     seq_lens = torch.tensor([5, 9])
@@ -144,6 +151,7 @@ def test_build_tree_qlen_only_matches_sglangs_triton_kernel(ops, topk):
 
 
 def test_verify_tree_greedy_matches_sglangs_triton_kernel(ops):
+    needs("verify_tree_greedy_triton")
     from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_triton
 
     _, _, index, next_token, next_sibling = _build_tree(ops["spec_ops"].build_tree_kernel_efficient_cpu, 2,
@@ -172,6 +180,7 @@ def test_reconstruct_indices_from_tree_mask_matches_sglangs_triton_kernel(ops, m
     # the twin's module imports the compiled op by name, on any device but XPU: give it ours
     monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
     monkeypatch.setitem(sys.modules, "sgl_kernel.speculative", ops["speculative"])
+    needs("reconstruct_indices_from_tree_mask_triton")
     from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_from_tree_mask_triton
 
     # NGRAM's trees, mask[i, j]: j is i or an ancestor of i. 0 -> {1, 2}, 1 -> 3; and a chain

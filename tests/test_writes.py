@@ -105,7 +105,7 @@ def test_page_size_16_bounds(mp, guard):
 
 
 def test_kv_write_loc_is_checked_and_the_same_object_reaches_sglang(mp, guard, monkeypatch):
-    needs(mp.KVCache, "_check_physical_write_loc", "0.5.22")
+    needs("KVCache._check_physical_write_loc", "KVWriteLoc.physical")
     guard("raise")
     pool = mha(mp)
     seen = []
@@ -230,7 +230,7 @@ def test_containment_never_changes_the_callers_ids(mp, guard, mode, backend):
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_a_contained_kvwriteloc_is_passed_on_as_a_copy_with_only_its_ids_replaced(mp, guard, backend, monkeypatch):
     """Its other fields (swa_loc, the physical mark unified pools require) pass on as they are."""
-    needs(mp, "KVWriteLoc", "0.5.14")
+    needs("KVWriteLoc", "KVWriteLoc.physical")
     guard("warn", backend)
     pool = mha(mp)
     given = mp.KVWriteLoc(torch.tensor([3, HIGH, 7]), swa_loc=torch.tensor([1, 2, 3]), physical=True)
