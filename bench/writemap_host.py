@@ -1,11 +1,15 @@
-"""Host check time per step (the CPU path) at N tokens, decode and extend, with and without liveness."""
+"""The write map's host check (the CPU path of the step check): time per step at N tokens,
+decode and extend, liveness off and on, beside the bounds-only host scan in the same run.
+
+    .venv/bin/python bench/writemap_host.py
+"""
 import os, sys, time, random
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
 import torch
 from test_writemap import model_runner, forward_batch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang_oobguard import writemap, probe
+from sglang_oobguard import hostmap, hostscan, shadow, writemap
 
 def case(n, family):
     rows = min(n, 4096) if family == "decode" else 8
@@ -25,8 +29,8 @@ def case(n, family):
         b = forward_batch("EXTEND", rpi, [p + c for p, c in zip(prefix, counts)], loc,
                           extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32),
                           extend_seq_lens=torch.tensor(counts, dtype=torch.int32), extend_start_loc=starts)
-    flags = torch.ones(high, dtype=torch.int32)
-    live = probe.Live(flags, 1, memoryview(flags.numpy()), torch.zeros(high, dtype=torch.int32))
+    live = shadow.new_live(high, 1, torch.device("cpu"))
+    live.flags.fill_(1)
     return b, model_runner(pool), high, live
 
 for family in ("decode", "extend"):
@@ -38,17 +42,17 @@ for family in ("decode", "extend"):
             t0 = time.perf_counter()
             for _ in range(reps):
                 rule = writemap.rule_of(b, runner)
-                f, _ = writemap.check_host(rule, high, lv)
+                f, _ = hostmap.check_host(rule, high, lv)
             dt = (time.perf_counter() - t0) / reps * 1e6
             assert f is None
             print(f"{family:7s} N={n:5d} liveness={'on ' if lv else 'off'}: {dt:8.1f} us/step (rule_of + check_host)")
-print("baseline: probe.scan_host (today's bounds-only step check), same load")
+print("baseline: hostscan.scan_host (the bounds and liveness check alone), same run")
 for n in (1, 16, 256, 4096):
     b, runner, high, live = case(n, "decode")
     for lv in (None, live):
         reps = 2000 if n <= 256 else 200
         t0 = time.perf_counter()
         for _ in range(reps):
-            probe.scan_host(b.out_cache_loc, high, None, lv)
+            hostscan.scan_host(b.out_cache_loc, high, None, lv)
         dt = (time.perf_counter() - t0) / reps * 1e6
         print(f"scan_host N={n:5d} liveness={'on ' if lv else 'off'}: {dt:8.1f} us/step")

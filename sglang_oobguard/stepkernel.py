@@ -1,5 +1,5 @@
 """Step kernel: the write map, duplicates, shared rows, bounds, liveness and ownership of
-one forward, in ONE Triton launch (the GPU path of `writemap.check_host`'s contract).
+one forward, in ONE Triton launch (the GPU path of `hostmap.check_host`'s contract).
 
 One program walks the step's ids in BLOCK-wide chunks, twice:
 - pass 1 stamps, for each real token, its slot in a per-pool int64 table (`slot_stamps`,

@@ -3,7 +3,7 @@
 `check_step` is what the step check (`stepcheck`) runs for the step's out_cache_loc:
 bounds, liveness, the write map (each token's slot is the one sglang's req_to_token
 gives it), duplicates, shared rows and, with liveness on, the owner check: the host
-check (`writemap.check_host`) for CPU ids, else the one launch of `stepkernel`. It
+check (`hostmap.check_host`) for CPU ids, else the one launch of `stepkernel`. It
 returns the ids the step's pool-method writes get (the caller's, or a cleaned copy in
 the pool's copy buffer), or None where the map is not defined for this forward
 (skipped by name: said once, counted in `SKIPPED`), and the caller checks bounds and
@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import device, stepkernel, writemap
+from . import device, hostmap, owners, stepkernel, writemap
 from .config import Mode
 from .guard import Guard
 from .log import logger
@@ -45,11 +45,11 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> O
     loc = rule.ids
     state = guard.state(pool, loc.device)
     if guard.on_host(loc):
-        finding, cleaned = writemap.check_host(rule, high, state.live)
+        finding, cleaned = hostmap.check_host(rule, high, state.live)
         if finding is not None:  # strict and raise: raised here, before any layer
             call = finding.record(guard.step_site, -1, high, loc.numel(), guard.steps.number)
             rows = rule.rows[:rule.batch]
-            guard.report_now(state, call, **writemap.named(rule.table, rows, getattr(batch, "rids", None), finding.kind,
+            guard.report_now(state, call, **owners.named(rule.table, rows, getattr(batch, "rids", None), finding.kind,
                                                            finding.row, finding.token, finding.value, finding.owner,
                                                            finding.expected))
         return cleaned, -1

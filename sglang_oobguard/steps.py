@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from . import device, writemap
+from . import device, owners
 
 LAYOUTS_KEPT = 32  # steps whose layout a late report can still name
 
@@ -133,11 +133,11 @@ class Steps:
         after); for a write-map or owner violation, the owner too."""
         fields = self._where(record.step, record.pos, record.numel)
         seen = self.find(record.step) if record.step >= 0 else None
-        if seen is None or record.kind not in writemap.NAMED_KINDS or seen.pool_indices is None:
+        if seen is None or record.kind not in owners.NAMED_KINDS or seen.pool_indices is None:
             return fields
         try:
             table = seen.runner.req_to_token_pool.req_to_token
-            return {**fields, **writemap.named(table, seen.pool_indices[:seen.batch_size], seen.rids, record.kind,
+            return {**fields, **owners.named(table, seen.pool_indices[:seen.batch_size], seen.rids, record.kind,
                                                record.row, fields.get("token"), record.value, record.owner,
                                                record.expected)}
         except Exception:  # a report names what it can

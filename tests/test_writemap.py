@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_oobguard import shadow, stepkernel, writemap
+from sglang_oobguard import hostmap, owners, shadow, stepkernel, writemap
 from sglang_oobguard.record import RECORD_LEN, Kind, Record
 from sglang_oobguard.targets import write_map_off
 
@@ -147,7 +147,7 @@ def inject(rng, fault, batch, pool, pos, live):
 def run_both(batch, runner, live_host, live_kernel):
     rule = writemap.rule_of(batch, runner)
     assert not isinstance(rule, str), rule
-    finding, cleaned = writemap.check_host(rule, HIGH, live_host)
+    finding, cleaned = hostmap.check_host(rule, HIGH, live_host)
     record = torch.zeros(RECORD_LEN, dtype=torch.int64)
     step = torch.tensor([7])
     tables = stepkernel.new_tables(HIGH, ROWS, torch.device("cpu"))
@@ -203,11 +203,11 @@ def test_owner_is_claimed_by_the_first_writer_and_a_second_row_is_owned():
     batch, runner, pool, pos = make_case(rng, "decode")
     live = live_for(pool, batch, True)
     rule = writemap.rule_of(batch, runner)
-    assert writemap.check_host(rule, HIGH, live)[0] is None
+    assert hostmap.check_host(rule, HIGH, live)[0] is None
     rows = batch.req_pool_indices.tolist()
     assert [int(live.owner[int(s)]) for s in batch.out_cache_loc] == [r + 1 for r in rows]
     live.owner[int(batch.out_cache_loc[0])] = 0  # the free cleared it: the next writer claims it
-    assert writemap.check_host(rule, HIGH, live)[0] is None
+    assert hostmap.check_host(rule, HIGH, live)[0] is None
     shadow.release(live, batch.out_cache_loc[:1])
     assert int(live.owner[int(batch.out_cache_loc[0])]) == 0 and int(live.flags[int(batch.out_cache_loc[0])]) == 0
 
@@ -234,7 +234,7 @@ def test_draft_lanes_for_topk_above_one_follow_sglangs_own_cache_loc_kernel():
         batch = forward_batch("DECODE", rows, seq_lens, per_step[s], positions=positions)
         rule = writemap.rule_of(batch, runner)
         assert rule.family == "draft" and rule.ids.stride(0) != 1 or topk == 1  # a strided view, as sglang's
-        finding, _ = writemap.check_host(rule, HIGH)
+        finding, _ = hostmap.check_host(rule, HIGH)
         assert finding is None, (s, finding)
         _, _, record, _ = run_both(batch, runner, None, None)
         assert record.calls == 0, (s, record)
@@ -264,7 +264,7 @@ def test_draft_lanes_with_pages_follow_prepare_for_drafts_paged_layout():
     runner = model_runner(pool, draft=True, topk=topk, steps=steps, page=page)
     for s in range(steps - 1):
         batch = forward_batch("DECODE", rows, seq_lens, per_step[s], positions=seq.repeat_interleave(topk) + s)
-        assert writemap.check_host(writemap.rule_of(batch, runner), HIGH)[0] is None
+        assert hostmap.check_host(writemap.rule_of(batch, runner), HIGH)[0] is None
         assert run_both(batch, runner, None, None)[2].calls == 0
 
 
@@ -280,7 +280,7 @@ def test_padding_is_exempt_by_count_and_row_zero_is_not_assumed_zero():
                            seq_lens=torch.cat([rule.seq_lens, torch.ones(1, dtype=torch.int64)]))
     padded = padded._replace(virtual=padded.ids)
     assert padded.ids.numel() == real + width
-    assert writemap.check_host(padded, HIGH)[0] is None
+    assert hostmap.check_host(padded, HIGH)[0] is None
     record = torch.zeros(RECORD_LEN, dtype=torch.int64)
     tables = stepkernel.new_tables(HIGH, ROWS, torch.device("cpu"))
     stepkernel.launch(padded, HIGH, 0, -1, record, torch.tensor([1]), tables, None, None, None)
@@ -292,11 +292,11 @@ def test_find_owner_names_the_batch_request_first_then_any_row():
     pool = req_pool(rng)
     table = pool.req_to_token
     slot = int(table[6, 3])
-    assert writemap.find_owner(table, torch.tensor([2, 6]), ["a", "b"], slot) == ("b", 3)
-    assert writemap.find_owner(table, torch.tensor([2]), ["a"], slot) == ("req_to_token row 6", 3)
+    assert owners.find_owner(table, torch.tensor([2, 6]), ["a", "b"], slot) == ("b", 3)
+    assert owners.find_owner(table, torch.tensor([2]), ["a"], slot) == ("req_to_token row 6", 3)
     table[2, 9] = slot  # a twin: both hold it; the writer's own entry is skipped, the owner row preferred
-    assert writemap.find_owner(table, torch.tensor([2, 6]), ["a", "b"], slot, prefer=6, skip=(2, 9)) == ("b", 3)
-    assert writemap.find_owner(table, torch.tensor([2]), ["a"], HIGH + 5) is None
+    assert owners.find_owner(table, torch.tensor([2, 6]), ["a", "b"], slot, prefer=6, skip=(2, 9)) == ("b", 3)
+    assert owners.find_owner(table, torch.tensor([2]), ["a"], HIGH + 5) is None
 
 
 def test_modes_without_a_map_are_named():

@@ -250,6 +250,6 @@ def load() -> None:
         wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.kernels")
         # the step's write-map check probes out_cache_loc instead of scan_host / launch
         wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "check_host", _counter("probes")),
-                                        "sglang_oobguard.writemap")
+                                        "sglang_oobguard.hostmap")
         wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "launch", _counter("probes")),
                                         "sglang_oobguard.stepkernel")
