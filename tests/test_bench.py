@@ -34,3 +34,24 @@ def test_cpu_benchmark_prints_every_row():
     assert re.search(r"load_plugins\(\): ([1-9]\d*) of \1 write methods are the original function objects", out), out
     assert re.search(r"the .pth hook at interpreter start: -?[\d.]+ us", out)
 
+
+
+def test_engine_benchmark_prints_every_configuration_and_checks_the_tokens():
+    """bench/engine.py at its smallest: one round, a few tokens, every configuration
+    (six engines). Its table's shape and its token check; the ratios are not asserted."""
+    out = run("bench/engine.py", "--rounds", "1", "--new-tokens", "4", "--batch", "2", "--layers", "2")
+    assert re.search(r"^\| configuration \| environment \| decode tok/s \(median\) \| vs off: .* \| target \| "
+                     r"same tokens as off \|$", out, re.M), out
+    rows = re.findall(r"^\| ([^|]+) \| `([^`]*)` \| (\d+) \| ([^|]+) \| ([^|]*) \| (yes|NO) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["off", "upstream probe alone", "strict", "strict + liveness", "warn",
+                                    "plugin + upstream"], out
+    assert all(same == "yes" for *_, same in rows), out  # every configuration made off's tokens
+    assert rows[0][3] == "1 (baseline)"
+    assert all(re.fullmatch(r"[\d.]+ \([\d.]+-[\d.]+\)", r[3]) for r in rows[1:]), out
+    targets = {r[0]: r[4] for r in rows}  # printed beside what was measured, never asserted
+    assert re.fullmatch(r">= 0.97 of off: (meets|MISSES)", targets["strict"]), out
+    assert re.fullmatch(r">= 0.95 of off: (meets|MISSES)", targets["strict + liveness"]), out
+    assert re.fullmatch(r"vs upstream probe alone: [\d.]+ \([\d.]+-[\d.]+\); >= 0.97 of upstream probe alone: "
+                        r"(meets|MISSES)", targets["plugin + upstream"]), out
+    assert "SGLANG_PLUGINS=faultinject" in rows[1][1]  # upstream alone: our plugin kept out by sglang's loader
+    assert "tokens: every configuration produced off's tokens in every round (2 requests x 4 tokens)" in out
