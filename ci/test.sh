@@ -26,7 +26,8 @@ job_log() {  # job_log VERSION MARKERS: the job's log path, without suffix
 run_job() {  # run_job VERSION MARKERS [pytest args]: set-up, then pytest
   local version="$1" markers="$2" venv standins
   shift 2
-  venv="$(bash ci/setup-env.sh "$version")" || return
+  # one set-up at a time: two at once could both find torch's stamp changed and both reinstall it
+  venv="$(flock "$OOBGUARD_JOBS_DIR/.setup.lock" bash ci/setup-env.sh "$version")" || return
   echo "=== sglang $version ($venv)${markers:+ -m \"$markers\"}"
   if [[ "$version" == 0.5.23 ]]; then
     "$venv/bin/python" -m pytest ${markers:+-m "$markers"} "$@"
@@ -46,7 +47,9 @@ if [[ "${1:-}" == --job ]]; then  # one job, as the workers below run it: --job 
   rc=0
   run_job "$version" "$markers" "${args[@]}" > "$log.log" 2>&1 || rc=$?
   seconds=$(($(date +%s) - start))
-  printf '%s\t%s\n' "$rc" "$seconds" > "$log.result"
+  # CPU seconds (user + system) of everything the job ran and waited for: bash's `times`, children's line
+  cpu=$(times | tail -1 | awk '{gsub(/s/, ""); split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2]}')
+  printf '%s\t%s\t%s\n' "$rc" "$seconds" "$cpu" > "$log.result"
   {  # whole, never interleaved with the other worker's output
     flock 9
     cat "$log.log"
@@ -74,13 +77,14 @@ echo "=== ci/test.sh: ${#jobs[@]} jobs, ${OOBGUARD_WORKERS:-2} at a time (set-up
 status=0
 printf '%s\n' "${jobs[@]}" | tr '\t' '\n' | xargs -d '\n' -n 2 -P "${OOBGUARD_WORKERS:-2}" bash "$0" --job "$@" \
   || status=1
-echo "=== ci/test.sh: every job (rc, minutes), $(( ($(date +%s) - began) / 60 )) m $(( ($(date +%s) - began) % 60 )) s in all"
+echo "=== ci/test.sh: every job (rc, wall, CPU user + system), $(( ($(date +%s) - began) / 60 )) m $(( ($(date +%s) - began) % 60 )) s in all"
 for job in "${jobs[@]}"; do
   version="${job%%	*}" markers="${job#*	}"
   result="$(job_log "$version" "$markers").result"
   if [[ -f "$result" ]]; then
-    IFS=$'\t' read -r rc seconds < "$result"
-    printf '  sglang %-13s %-24s rc=%s  %d m %02d s\n' "$version" "${markers:-all}" "$rc" $((seconds / 60)) $((seconds % 60))
+    IFS=$'\t' read -r rc seconds cpu < "$result"
+    printf '  sglang %-13s %-24s rc=%s  %d m %02d s, CPU %d m %02d s (%s cores)\n' "$version" "${markers:-all}" "$rc" \
+      $((seconds / 60)) $((seconds % 60)) $((cpu / 60)) $((cpu % 60)) "$(awk -v c="$cpu" -v s="$seconds" 'BEGIN {printf "%.2f", c / (s > 0 ? s : 1)}')"
   else
     printf '  sglang %-13s %-24s did not run\n' "$version" "${markers:-all}"
     status=1

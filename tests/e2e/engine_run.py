@@ -21,11 +21,12 @@ tensor-parallel ranks, with the two variables that needs on this machine.
 
 `serve` (bench/engine.py): one engine that stays up and times rounds on command.
 `batch=B` distinct prompts, greedy, `tokens=N` new tokens each (EOS ignored, so every
-request makes exactly N). It warms up (one untimed round), prints `READY`, then for each `round` line on
-stdin times two generate calls over the same prompts, N new tokens and then 1 (the
-prefill and its one sampled token), and prints `ROUND {json}` with both times (wall
-clock, and the CPU seconds of the engine's processes) and the tokens; `quit` shuts the engine down. The scheduler sleeps when idle
-(`sleep_on_idle`), so engines waiting their turn take no CPU from the one timed.
+request makes exactly N). It warms up (one untimed round), prints `READY`, then for
+each `round` line on stdin times two generate calls over the same prompts, N new
+tokens and then 1 (the prefill and its one sampled token), and prints `ROUND {json}`
+with both times (wall clock, and the CPU seconds of the engine's processes) and the
+tokens; `quit` shuts the engine down. The scheduler sleeps when idle (`sleep_on_idle`),
+so engines waiting their turn take no CPU from the one timed.
 `cuda`: sglang's defaults on a GPU instead of the CPU engine (CUDA graphs and the
 overlap scheduler on; Triton attention, pytorch sampling).
 
@@ -69,8 +70,10 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
     options = {**ENGINE, **WORKLOADS[workload][1]}
     if workload == "serve":
         batch, tokens = serve_size(extra)
+        # the pool is max_total_tokens; a larger static fraction only keeps sglang's start-up check (weights
+        # against *available* memory) from failing when other work has taken memory: 0.05 did at 1.7 GB free
         options.update(max_total_tokens=max(2048, 2 * batch * (tokens + 32)), max_running_requests=batch,
-                       context_length=max(512, tokens + 64))
+                       context_length=max(512, tokens + 64), mem_fraction_static=0.5)
         if "cuda" in extra:
             options = {key: value for key, value in options.items() if key not in ("device", "disable_cuda_graph")}
             options.update(CUDA, cuda_graph_max_bs=batch)
