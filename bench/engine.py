@@ -99,8 +99,20 @@ def env_text(env: dict[str, str]) -> str:
     return " ".join(f"{k}={v}" for k, v in env.items()) or "(none)"
 
 
+NAN = float("nan")
+
+
 def ratio_stats(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+    """Median, min and max of the rounds that have a number (a round too short for the
+    clocks' resolution has none: nan)."""
+    known = [v for v in values if v == v]
+    if not known:
+        return {"median": NAN, "min": NAN, "max": NAN, "rounds": values}
+    return {"median": statistics.median(known), "min": min(known), "max": max(known), "rounds": values}
+
+
+def num(value: float, digits: int = 0) -> str:
+    return "n/a" if value != value else f"{value:.{digits}f}"
 
 
 def measure(args: argparse.Namespace, model: Path) -> dict:
@@ -134,7 +146,7 @@ def measure(args: argparse.Namespace, model: Path) -> dict:
                 got["order"] = order.index(name)
                 results[name].append(got)
             print(f"round {r + 1}/{args.rounds} (wall tok/s, tok per CPU-s): " + ", ".join(
-                f"{name} {tok_s(results[name][-1]):.0f} {tok_cpu(results[name][-1]):.0f}" for name in args.configs),
+                f"{name} {num(tok_s(results[name][-1]))} {num(tok_cpu(results[name][-1]))}" for name in args.configs),
                 file=sys.stderr, flush=True)
     finally:
         for name, served in engines.items():
@@ -155,14 +167,20 @@ def measure(args: argparse.Namespace, model: Path) -> dict:
     return {"rounds": results, "startup_s": startup}
 
 
+def rate(tokens: int, seconds: float) -> float:
+    """nan where the decode's share is not above zero: a run of a few tokens, shorter than
+    the noise of the prefill's time or the CPU clock's 10 ms tick."""
+    return tokens / seconds if seconds > 0 else NAN
+
+
 def tok_s(got: dict) -> float:
     """Decode tokens per second, wall clock."""
-    return got["batch"] * (got["tokens"] - 1) / (got["full_s"] - got["prefill_s"])
+    return rate(got["batch"] * (got["tokens"] - 1), got["full_s"] - got["prefill_s"])
 
 
 def tok_cpu(got: dict) -> float:
     """Decode tokens per CPU second of the engine's processes."""
-    return got["batch"] * (got["tokens"] - 1) / (got["full_cpu_s"] - got["prefill_cpu_s"])
+    return rate(got["batch"] * (got["tokens"] - 1), got["full_cpu_s"] - got["prefill_cpu_s"])
 
 
 METRICS = {"wall": tok_s, "cpu": tok_cpu}
@@ -181,7 +199,7 @@ def summarize(args: argparse.Namespace, raw: dict) -> dict:
             "prefill_s": statistics.median(got["prefill_s"] for got in mine),
         }
         for metric, f in METRICS.items():
-            rows[name][metric] = statistics.median(f(got) for got in mine)
+            rows[name][metric] = ratio_stats([f(got) for got in mine])["median"]
             rows[name][f"{metric}_rounds"] = [f(got) for got in mine]
             rows[name][f"{metric}_vs_off"] = ratio_stats([f(a) / f(b) for a, b in zip(mine, off)])
     targets = []
@@ -190,7 +208,8 @@ def summarize(args: argparse.Namespace, raw: dict) -> dict:
             target = {"config": name, "baseline": base, "target": floor}
             for metric, f in METRICS.items():
                 stats = ratio_stats([f(a) / f(b) for a, b in zip(rounds[name], rounds[base])])
-                target[metric] = {**stats, "meets": stats["median"] >= floor}
+                target[metric] = {**stats, "meets": None if stats["median"] != stats["median"]
+                                  else stats["median"] >= floor}
             targets.append(target)
     return {"rows": rows, "targets": targets}
 
@@ -208,6 +227,8 @@ def header(args: argparse.Namespace) -> str:
 
 
 def span(stats: dict) -> str:
+    if stats["median"] != stats["median"]:
+        return "n/a"
     return f"{stats['median']:.3f} ({stats['min']:.3f}-{stats['max']:.3f})"
 
 
@@ -227,10 +248,11 @@ def table(args: argparse.Namespace, summary: dict) -> str:
             base = rows[t["baseline"]]["label"]
             against = "" if t["baseline"] == "off" else (f"vs {base}: wall {span(t['wall'])}, "
                                                            f"CPU {span(t['cpu'])}; ")
-            verdict = ", ".join(f"{metric} {'meets' if t[metric]['meets'] else 'MISSES'}" for metric in METRICS)
+            verdict = ", ".join(f"{metric} {({True: 'meets', False: 'MISSES', None: 'n/a'})[t[metric]['meets']]}"
+                                for metric in METRICS)
             target = f"{against}>= {t['target']} of {base}: {verdict}"
         same = "yes" if row["same_tokens"] and row["all_tokens"] else "NO"
-        lines.append(f"| {row['label']} | `{row['env']}` | {row['wall']:.0f} | {wall} | {row['cpu']:.0f} | {cpu} "
+        lines.append(f"| {row['label']} | `{row['env']}` | {num(row['wall'])} | {wall} | {num(row['cpu'])} | {cpu} "
                      f"| {target} | {same} |")
     return "\n".join(lines)
 

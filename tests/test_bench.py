@@ -39,22 +39,22 @@ def test_cpu_benchmark_prints_every_row():
 def test_engine_benchmark_prints_every_configuration_and_checks_the_tokens():
     """bench/engine.py at its smallest: one round, a few tokens, every configuration
     (six engines). Its table's shape and its token check; the ratios are not asserted."""
-    out = run("bench/engine.py", "--rounds", "1", "--new-tokens", "4", "--batch", "2", "--layers", "2")
+    out = run("bench/engine.py", "--rounds", "1", "--new-tokens", "16", "--batch", "2", "--layers", "2")
     assert re.search(r"^\| configuration \| environment \| decode tok/s \| vs off \(wall\) \| decode tok per CPU-s "
                      r"\| vs off \(CPU\) \| target \| same tokens as off \|$", out, re.M), out
-    ratio = r"[\d.]+ \([\d.]+-[\d.]+\)"
-    rows = re.findall(r"^\| ([^|]+) \| `([^`]*)` \| (\d+) \| ([^|]+) \| (\d+) \| ([^|]+) \| ([^|]*) \| (yes|NO) \|$",
-                      out, re.M)
+    ratio = r"(?:[\d.]+ \([\d.]+-[\d.]+\)|n/a)"  # n/a: a round too short for the clock (never asserted)
+    rows = re.findall(r"^\| ([^|]+) \| `([^`]*)` \| (\d+|n/a) \| ([^|]+) \| (\d+|n/a) \| ([^|]+) \| ([^|]*) "
+                      r"\| (yes|NO) \|$", out, re.M)
     assert [r[0] for r in rows] == ["off", "upstream probe alone", "strict", "strict + liveness", "warn",
                                     "plugin + upstream"], out
     assert all(r[-1] == "yes" for r in rows), out  # every configuration made off's tokens, all of them
     assert rows[0][3] == rows[0][5] == "1 (baseline)"
     assert all(re.fullmatch(ratio, r[3]) and re.fullmatch(ratio, r[5]) for r in rows[1:]), out
     targets = {r[0]: r[6] for r in rows}  # printed beside what was measured, never asserted
-    verdict = r"wall (meets|MISSES), cpu (meets|MISSES)"
+    verdict = r"wall (meets|MISSES|n/a), cpu (meets|MISSES|n/a)"
     assert re.fullmatch(rf">= 0.97 of off: {verdict}", targets["strict"]), out
     assert re.fullmatch(rf">= 0.95 of off: {verdict}", targets["strict + liveness"]), out
     assert re.fullmatch(rf"vs upstream probe alone: wall {ratio}, CPU {ratio}; >= 0.97 of upstream probe alone: "
                         rf"{verdict}", targets["plugin + upstream"]), out
     assert "SGLANG_PLUGINS=faultinject" in rows[1][1]  # upstream alone: our plugin kept out by sglang's loader
-    assert "tokens: every configuration produced off's tokens in every round (2 requests x 4 tokens)" in out
+    assert "tokens: every configuration produced off's tokens in every round (2 requests x 16 tokens)" in out
