@@ -48,7 +48,8 @@ if [[ "${1:-}" == --job ]]; then  # one job, as the workers below run it: --job 
   run_job "$version" "$markers" "${args[@]}" > "$log.log" 2>&1 || rc=$?
   seconds=$(($(date +%s) - start))
   # CPU seconds (user + system) of everything the job ran and waited for: bash's `times`, children's line
-  cpu=$(times | tail -1 | awk '{gsub(/s/, ""); split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2]}')
+  times > "$log.times"  # in this shell, not a pipeline's subshell (whose children's times start at zero)
+  cpu=$(tail -1 "$log.times" | awk '{gsub(/s/, ""); split($1, u, "m"); split($2, s, "m"); printf "%d", u[1] * 60 + u[2] + s[1] * 60 + s[2]}')
   printf '%s\t%s\t%s\n' "$rc" "$seconds" "$cpu" > "$log.result"
   {  # whole, never interleaved with the other worker's output
     flock 9
