@@ -60,4 +60,25 @@ fi
 part env 70 "$python" bench/gpu_report.py env --json "$out/env.json"
 part tests 140 "$python" -m pytest tests/test_gpu.py tests/test_gpu_observer.py -v --junitxml "$out/junit.xml"
 part bench 110 "$python" bench/gpu_probe.py "${bench_args[@]}" --json "$out/bench.json"
+
+# Engine benchmark (issue 24): the real sglang Engine on the GPU with sglang's defaults
+# (CUDA graphs and the overlap scheduler on), off / upstream's probe alone / the guard
+# strict, strict + liveness, warn / the guard + upstream, interleaved round by round
+# (bench/engine.py --device cuda). Its forward calls sgl_kernel's compiled ops (RMSNorm,
+# activation, rotary), which the kit's stand-in cannot run: where sgl_kernel is the
+# stand-in the part is skipped and its log says why. Dry run: the plan, no engine.
+engine_cmd=("$python" bench/engine.py --device cuda --batch 8 --new-tokens 256 --layers 8 --rounds 5 --start 6
+            --json "$out/engine.json")
+real_path="$(tr ':' '\n' <<< "$PYTHONPATH" | grep -vx "$root/tests/standins" | paste -sd: -)"  # no stand-in
+if ((dry)); then
+  part engine 60 "${engine_cmd[@]}" --dry-run
+elif PYTHONPATH="$real_path" "$python" -c \
+     'import sgl_kernel, sys; sys.exit("standin" in getattr(sgl_kernel, "__version__", "standin"))' 2>/dev/null; then
+  PYTHONPATH="$real_path" part engine 100 "${engine_cmd[@]}"
+else
+  echo "${engine_cmd[*]}" > "$work/engine.cmd"
+  echo "skipped: no real sgl_kernel here (the kit has only the test-only stand-in; the wheel is 373 MB), and" \
+    "the engine's CUDA forward calls its compiled ops" | tee "$work/engine.log"
+fi
+
 "$python" bench/gpu_report.py write "$work" "$out" "${report_args[@]}"

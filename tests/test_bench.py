@@ -34,3 +34,26 @@ def test_cpu_benchmark_prints_every_row():
     assert re.search(r"load_plugins\(\): ([1-9]\d*) of \1 write methods are the original function objects", out), out
     assert re.search(r"the .pth hook at interpreter start: -?[\d.]+ us", out)
 
+
+
+def test_engine_benchmark_prints_its_table_and_checks_the_tokens():
+    """bench/engine.py at its smallest: one round, a few tokens, three configurations
+    (off, upstream's probe alone with our plugin kept out by sglang's loader, and both):
+    its table's shape, the guard active exactly where asked, and its token check; the
+    ratios are not asserted. Three engines, not six: the suite runs beside another job."""
+    out = run("bench/engine.py", "--rounds", "1", "--new-tokens", "16", "--batch", "2", "--layers", "2",
+              "--configs", "off,upstream,both")
+    assert re.search(r"^\| configuration \| environment \| decode tok/s \| vs off \(wall\) \| decode tok per CPU-s "
+                     r"\| vs off \(CPU\) \| target \| same tokens as off \|$", out, re.M), out
+    ratio = r"(?:[\d.]+ \([\d.]+-[\d.]+\)|n/a)"  # n/a: a round too short for the clock (never asserted)
+    rows = re.findall(r"^\| ([^|]+) \| `([^`]*)` \| (\d+|n/a) \| ([^|]+) \| (\d+|n/a) \| ([^|]+) \| ([^|]*) "
+                      r"\| (yes|NO) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["off", "upstream probe alone", "plugin + upstream"], out
+    assert all(r[-1] == "yes" for r in rows), out  # every configuration made off's tokens, all of them
+    assert rows[0][3] == rows[0][5] == "1 (baseline)"
+    assert all(re.fullmatch(ratio, r[3]) and re.fullmatch(ratio, r[5]) for r in rows[1:]), out
+    verdict = r"wall (meets|MISSES|n/a), cpu (meets|MISSES|n/a)"
+    assert re.fullmatch(rf"vs upstream probe alone: wall {ratio}, CPU {ratio}; >= 0.97 of upstream probe alone: "
+                        rf"{verdict}", rows[2][6]), out  # printed beside what was measured, never asserted
+    assert "SGLANG_PLUGINS=faultinject" in rows[1][1]  # upstream alone: our plugin kept out by sglang's loader
+    assert "tokens: every configuration produced off's tokens in every round (2 requests x 16 tokens)" in out

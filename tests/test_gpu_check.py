@@ -31,14 +31,14 @@ def report(tmp_path_factory):
 
 def test_every_part_is_reported_with_its_result(report):
     out, _ = report
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "env.json", "junit.xml", "report.json",
-                                                     "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "engine.json", "env.json", "junit.xml",
+                                                     "report.json", "report.md"]
     data = json.loads((out / "report.json").read_text())
     assert data["dry_run"] is True
     parts = {p["name"]: p for p in data["parts"]}
-    assert list(parts) == ["install", "env", "tests", "bench"]
+    assert list(parts) == ["install", "env", "tests", "bench", "engine"]
     assert (parts["install"]["status"], parts["install"]["rc"]) == ("skip", None)
-    for name in ("env", "tests", "bench"):
+    for name in ("env", "tests", "bench", "engine"):
         assert (parts[name]["status"], parts[name]["rc"]) == ("pass", 0), parts[name]["tail"]
         assert parts[name]["seconds"] > 0 and sys.executable in parts[name]["command"]
 
@@ -83,3 +83,17 @@ def test_the_benchmark_numbers_are_in_both_files(report):
         assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \(.*\| [\d.]+ \|$", md, re.M), md
     assert re.search(r"Decode step in a CUDA graph \(4 layer writes, 64 tokens\): unguarded [\d.]+ us; .*"
                      r"ours with liveness \+-?[\d.]+%", md), md
+
+
+def test_the_engine_benchmark_plans_sglang_defaults_on_the_gpu(report):
+    """Dry run: bench/engine.py --device cuda prints its plan (no engine starts): every
+    configuration, and the engine options of a GPU run, CUDA graphs and overlap on."""
+    out, _ = report
+    assert json.loads((out / "engine.json").read_text()) == {
+        "dry_run": True, "configs": ["off", "upstream", "strict", "liveness", "warn", "both"]}
+    md = (out / "report.md").read_text()
+    section = md[md.index("## Engine benchmark (bench/engine.py --device cuda)"):]
+    options = json.loads(re.search(r"^engine options: (\{.*\})$", section, re.M).group(1))
+    assert "device" not in options and "disable_cuda_graph" not in options  # sglang's defaults on a GPU
+    assert "disable_overlap_schedule" not in options and options["cuda_graph_max_bs"] == 8
+    assert "SGLANG_PLUGINS=faultinject" in section

@@ -4,6 +4,7 @@ tokenized as one batch, so they are prefilled together and token i of every deco
 step belongs to request i on every run.
 
     python tests/e2e/engine_run.py MODEL_DIR [batch|radix] [amx|eagle|ngram] [tp=2]
+    python tests/e2e/engine_run.py MODEL_DIR serve [batch=8] [tokens=128] [cuda]
 
 `radix`: the liveness workload instead: 44 prompts on 4 shared prefixes, the radix
 cache on, a pool of 384 slots (so finished prefixes are evicted to make room) and
@@ -17,6 +18,17 @@ verify path), which sglang replaces by torch_native on a CPU without AMX unless 
 launching process states the platform fact: done here, for this test engine only;
 its ops are the test-only stand-ins in tests/standins/sgl_kernel. `tp=2`: two
 tensor-parallel ranks, with the two variables that needs on this machine.
+
+`serve` (bench/engine.py): one engine that stays up and times rounds on command.
+`batch=B` distinct prompts, greedy, `tokens=N` new tokens each (EOS ignored, so every
+request makes exactly N). It warms up (one untimed round), prints `READY`, then for
+each `round` line on stdin times two generate calls over the same prompts, N new
+tokens and then 1 (the prefill and its one sampled token), and prints `ROUND {json}`
+with both times (wall clock, and the CPU seconds of the engine's processes) and the
+tokens; `quit` shuts the engine down. The scheduler sleeps when idle (`sleep_on_idle`),
+so engines waiting their turn take no CPU from the one timed.
+`cuda`: sglang's defaults on a GPU instead of the CPU engine (CUDA graphs and the
+overlap scheduler on; Triton attention, pytorch sampling).
 
 Run by tests/test_e2e*.py in a subprocess; the environment decides guard and fault."""
 
@@ -49,11 +61,30 @@ WORKLOADS = {
                                        disable_radix_cache=True)),
     # a pool too small for what the scheduler admits (aggressive admission): decode runs out, sglang retracts
     "retract": (RADIX_PROMPTS, dict(max_total_tokens=384, disable_radix_cache=True, schedule_conservativeness=0.01)),
+    "serve": ([], dict(disable_radix_cache=True, enable_tokenizer_batch_encode=True, sleep_on_idle=True)),
 }
+# serve on a GPU: sglang's defaults (CUDA graphs, overlap scheduler), minus the backends
+# that need wheels a bare GPU machine lacks (flashinfer; sgl_kernel's sampling)
+CUDA = dict(attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.1, log_level="info")
+
+
+def serve_prompts(batch: int) -> list[str]:
+    """`batch` distinct prompts of similar length (the batch workload's, numbered)."""
+    return [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(batch)]
 
 
 def engine_options(model: str, workload: str, extra: list[str]) -> dict:
     options = {**ENGINE, **WORKLOADS[workload][1]}
+    if workload == "serve":
+        batch, tokens = serve_size(extra)
+        # the pool is max_total_tokens; a larger static fraction only keeps sglang's start-up check (weights
+        # against *available* memory) from failing when other work has taken memory: 0.05 did at 1.7 GB free
+        options.update(max_total_tokens=max(2048, 2 * batch * (tokens + 32)), max_running_requests=batch,
+                       context_length=max(512, tokens + 64), mem_fraction_static=0.5)
+        if "cuda" in extra:
+            options = {key: value for key, value in options.items() if key not in ("device", "disable_cuda_graph")}
+            options.update(CUDA, cuda_graph_max_bs=batch)
+        extra = [arg for arg in extra if arg != "cuda" and not arg.startswith(("batch=", "tokens="))]
     for arg in extra:
         if arg == "amx":  # plain decoding on intel_amx: its decode op writes K/V itself
             options.update(attention_backend="intel_amx", mem_fraction_static=0.3)
@@ -69,8 +100,64 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(map(str, range(options["tp_size"]))))
             os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
         else:
-            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram or tp=N")
+            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram or tp=N "
+                             "(serve: batch=B, tokens=N, cuda)")
     return options
+
+
+def serve_size(extra: list[str]) -> tuple[int, int]:
+    values = {"batch": 8, "tokens": 128}
+    for arg in extra:
+        name, _, value = arg.partition("=")
+        if name in values and value:
+            values[name] = int(value)
+    return values["batch"], values["tokens"]
+
+
+def serve(engine, extra: list[str]) -> dict:
+    """Rounds on command (stdin), one ROUND line each; see the module's docstring."""
+    import time
+
+    batch, tokens = serve_size(extra)
+    prompts = serve_prompts(batch)
+
+    import psutil
+
+    me = psutil.Process()
+
+    def cpu() -> float:
+        """user + system seconds of this process and its children (scheduler, detokenizer)."""
+        total = 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        return total
+
+    def generate(new: int) -> tuple[float, float, list]:
+        start, start_cpu = time.perf_counter(), cpu()
+        outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+        return time.perf_counter() - start, cpu() - start_cpu, outs
+
+    generate(tokens)  # warm-up, one untimed round: first-call costs (allocations, lazy imports) out of the rounds
+    generate(1)
+    print("READY", flush=True)
+    rounds = 0
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        full, full_cpu, outs = generate(tokens)
+        prefill, prefill_cpu, _ = generate(1)
+        rounds += 1
+        print("ROUND " + json.dumps({
+            "round": rounds, "full_s": full, "prefill_s": prefill, "full_cpu_s": full_cpu, "prefill_cpu_s": prefill_cpu,
+            "batch": batch, "tokens": tokens,
+            "completion_tokens": [out["meta_info"].get("completion_tokens") for out in outs],
+            "e2e_latency": [out["meta_info"].get("e2e_latency") for out in outs],
+            "outputs": [out.get("output_ids") for out in outs]}), flush=True)
+    return {"rounds": rounds}
 
 
 def main(model: str, workload: str = "batch", *extra: str) -> int:
@@ -84,10 +171,13 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
     engine = sglang.Engine(model_path=model, **options)
     result: dict = {}
     try:
-        outs = engine.generate(WORKLOADS[workload][0], {"temperature": 0, "max_new_tokens": 16})
-        result["outputs"] = [out.get("output_ids") for out in outs]
-        result["finish"] = [out["meta_info"].get("finish_reason") for out in outs]
-        result["spec_verify_ct"] = sum(out["meta_info"].get("spec_verify_ct") or 0 for out in outs)
+        if workload == "serve":
+            result.update(serve(engine, list(extra)))
+        else:
+            outs = engine.generate(WORKLOADS[workload][0], {"temperature": 0, "max_new_tokens": 16})
+            result["outputs"] = [out.get("output_ids") for out in outs]
+            result["finish"] = [out["meta_info"].get("finish_reason") for out in outs]
+            result["spec_verify_ct"] = sum(out["meta_info"].get("spec_verify_ct") or 0 for out in outs)
     except Exception as exc:  # what the engine reports to its caller
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -14,6 +14,7 @@ import time
 import urllib.request
 import uuid
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -42,12 +43,14 @@ class Run:
         return {kind: sum(c[kind] for c in mine) for kind in ("writes", "moves", "frees", "probes", "steps")}
 
 
-def engine_env(extra: dict[str, str]) -> dict[str, str]:
+def engine_env(extra: dict[str, str], cpu: bool = True) -> dict[str, str]:
+    """cpu=False (bench/engine.py on a GPU): neither the CPU engine nor the stand-ins."""
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
     # no py-spy and no CUDA here: sglang's crash diagnostics would only wait 65 s before its exit
     env.update(SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0")
-    env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(STANDIN),
-                                                                                    env.get("PYTHONPATH")])))
+    if cpu:
+        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(STANDIN),
+                                                                                        env.get("PYTHONPATH")])))
     env.update(extra)
     return env
 
@@ -65,12 +68,13 @@ def marked_processes(marker: str) -> list[int]:
     return found
 
 
-def _start(args: list[str], env: dict[str, str], log_to=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+def _start(args: list[str], env: dict[str, str], log_to=subprocess.PIPE, stdin=None,
+           cpu: bool = True) -> tuple[subprocess.Popen, str]:
     marker = uuid.uuid4().hex
-    full = engine_env(env)
+    full = engine_env(env, cpu)
     full["OOBGUARD_E2E_RUN"] = marker
     proc = subprocess.Popen([sys.executable, *args], env=full, stdout=log_to, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, stdin=stdin)
     return proc, f"OOBGUARD_E2E_RUN={marker}"
 
 
@@ -97,6 +101,80 @@ def run_engine(model: Path, env: dict[str, str], timeout: float = 240, workload:
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
     return Run(proc.returncode, result, log, leftovers, counts)
+
+
+class Served:
+    """engine_run.py's `serve` workload (bench/engine.py): one engine kept up between
+    timed rounds. A reader thread keeps its log drained, so an engine waiting its turn
+    never blocks on a full pipe."""
+
+    def __init__(self, model: Path, env: dict[str, str], options: tuple[str, ...] = ()):
+        self.proc, self.marker = _start([str(HERE / "engine_run.py"), str(model), "serve", *options], env,
+                                        stdin=subprocess.PIPE, cpu="cuda" not in options)
+        self._stdin = self.proc.stdin
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append(line.rstrip("\n"))
+                self._new.notify_all()
+        with self._new:
+            self._new.notify_all()
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def _expect(self, prefix: str, since: int, timeout: float) -> str:
+        """The first line from `since` on that starts with prefix; an error naming the
+        log's tail when the engine exits or the time runs out first."""
+        deadline = time.monotonic() + timeout
+        with self._new:
+            while True:
+                for line in self.lines[since:]:
+                    if line.startswith(prefix):
+                        return line[len(prefix):]
+                since = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
+                    why = "timed out" if left <= 0 else f"exited {self.proc.returncode}"
+                    raise RuntimeError(f"engine {why} before {prefix.strip()!r}:\n" + "\n".join(self.lines[-60:]))
+                self._new.wait(min(left, 1.0))
+
+    def ready(self, timeout: float = 300) -> None:
+        self._expect("READY", 0, timeout)
+
+    def round(self, timeout: float = 600) -> dict:
+        since = len(self.lines)
+        self._stdin.write("round\n")
+        self._stdin.flush()
+        return json.loads(self._expect("ROUND ", since, timeout))
+
+    def close(self, timeout: float = 120) -> Run:
+        """quit, a bounded wait, then anything of this run still alive is killed."""
+        try:
+            self._stdin.write("quit\n")
+            self._stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(timeout=10)
+        leftovers = marked_processes(self.marker)
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        result = None
+        for line in self.lines:
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+        return Run(self.proc.returncode, result, self.log, leftovers)
 
 
 def reference_tokens(model: Path, workload: str, options: tuple[str, ...] = ()) -> list[list[int]]:

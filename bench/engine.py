@@ -1,0 +1,337 @@
+"""What the guard costs a server: the real sglang Engine, decode tokens per second with
+the guard off, with upstream's own probe alone, and with the guard in each mode.
+
+    .venv/bin/python bench/engine.py [--batch 8] [--new-tokens 128] [--layers 8] [--rounds 7]
+                                     [--configs off,strict,...] [--json PATH] [--png PATH]
+    python bench/engine.py --device cuda ...     # on a GPU: sglang's defaults (CUDA graphs, overlap)
+    python bench/engine.py --device cuda --dry-run   # what it would run; starts no engine
+
+Each configuration is one engine (tests/e2e/engine_run.py's `serve` workload, through
+tests/e2e/harness.py, as the engine tests run it: its own environment, sglang's own
+plugin loader in every process), started once and kept up, sleeping when idle. Then,
+round by round, every engine runs the same greedy batch in turn (the order rotated
+each round, so no configuration always runs first or after the same neighbour):
+`generate(prompts, N new tokens)` and `generate(prompts, 1 new token)`, both timed in
+the engine's process. Decode tokens per second = batch * (N - 1) / (t_N - t_1): the
+generate call minus its prefill (and the first token sampled from it). sglang's
+meta_info holds per-request timings only with metrics on (`decode_throughput`),
+which would add the metrics' own cost to every configuration; it is not used.
+Beside it, decode tokens per CPU second: the same tokens over the CPU time (user +
+system) the engine's processes spent in those two calls. The guard's cost is CPU time
+in the scheduler, and on a machine shared with other work the CPU time moves far less
+than the wall clock does.
+
+On the CPU every engine runs with OMP_NUM_THREADS=1 (--threads): this tiny model gains
+nothing from a second thread, and with two OpenMP threads per process on a 2-core
+machine shared with other work every parallel op waits for a descheduled thread (a
+run under load gave 18-37 tok/s, against 120-820 at 1 thread).
+
+Reported per configuration: the median decode tokens per second over the rounds, its
+ratio to off paired round by round (the median of the per-round ratios, with their
+min-max), and whether it produced off's tokens in every round. The targets are printed
+beside what was measured; nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests")]
+
+# name -> (label, environment). "upstream": sglang's own probe with our plugin kept out
+# by sglang's own loader whitelist (SGLANG_PLUGINS names only the test's fault plugin,
+# which the other configurations load too and which does nothing unasked).
+CONFIGS = {
+    "off": ("off", {}),
+    "upstream": ("upstream probe alone", {"SGLANG_ENABLE_ASYNC_ASSERT": "1", "SGLANG_PLUGINS": "faultinject"}),
+    "strict": ("strict", {"SGLANG_OOBGUARD_MODE": "strict"}),
+    "liveness": ("strict + liveness", {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1"}),
+    "warn": ("warn", {"SGLANG_OOBGUARD_MODE": "warn"}),
+    "both": ("plugin + upstream", {"SGLANG_ENABLE_ASYNC_ASSERT": "1"}),
+}
+GUARDED = {"strict", "liveness", "warn", "both"}
+# (configuration, baseline, at least): CPU engine targets of issue 24
+TARGETS = [("strict", "off", 0.97), ("liveness", "off", 0.95), ("both", "upstream", 0.97)]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=8, help="concurrent greedy requests (default 8)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    ap.add_argument("--layers", type=int, default=8, help="layers of the tiny Llama (default 8)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--start", type=int, default=2, help="engines started at a time (default 2)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU: torch threads per engine, OMP_NUM_THREADS, the same in every configuration (default 1)")
+    ap.add_argument("--json", type=Path, help="write the results as JSON here too")
+    ap.add_argument("--logs", type=Path, help="write each engine's log here (NAME.log)")
+    ap.add_argument("--png", type=Path, help="a chart of the per-round ratios (needs matplotlib: the bench extra)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and the engine options; start nothing")
+    args = ap.parse_args(argv)
+    args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in args.configs if name not in CONFIGS]
+    if unknown or "off" not in args.configs:
+        ap.error(f"--configs: unknown {unknown}" if unknown else "--configs must include off (the baseline)")
+    if args.new_tokens < 2 or args.batch < 1 or args.rounds < 1 or args.layers < 1:
+        ap.error("--new-tokens >= 2, --batch, --rounds, --layers >= 1")
+    return args
+
+
+def engine_args(args: argparse.Namespace) -> tuple[str, ...]:
+    return (f"batch={args.batch}", f"tokens={args.new_tokens}", *(("cuda",) if args.device == "cuda" else ()))
+
+
+def env_text(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in env.items()) or "(none)"
+
+
+NAN = float("nan")
+
+
+def ratio_stats(values: list[float]) -> dict:
+    """Median, min and max of the rounds that have a number (a round too short for the
+    clocks' resolution has none: nan)."""
+    known = [v for v in values if v == v]
+    if not known:
+        return {"median": NAN, "min": NAN, "max": NAN, "rounds": values}
+    return {"median": statistics.median(known), "min": min(known), "max": max(known), "rounds": values}
+
+
+def num(value: float, digits: int = 0) -> str:
+    return "n/a" if value != value else f"{value:.{digits}f}"
+
+
+def measure(args: argparse.Namespace, model: Path) -> dict:
+    from e2e.harness import Served
+
+    options = engine_args(args)
+    engines: dict[str, Served] = {}
+
+    common = {"OMP_NUM_THREADS": str(args.threads)} if args.device == "cpu" else {}
+
+    def start(name: str) -> None:
+        began = time.monotonic()
+        served = Served(model, {**common, **CONFIGS[name][1]}, options)
+        engines[name] = served
+        served.ready()
+        print(f"engine {name} ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+
+    results: dict = {name: [] for name in args.configs}
+    runs = {}
+    try:
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=max(1, args.start)) as pool:  # bounded: start-up is CPU-bound
+            for future in [pool.submit(start, name) for name in args.configs]:
+                future.result()
+        startup = time.monotonic() - t0
+        for r in range(args.rounds):
+            k = r % len(args.configs)
+            order = args.configs[k:] + args.configs[:k]
+            for name in order:
+                got = engines[name].round()
+                got["order"] = order.index(name)
+                results[name].append(got)
+            print(f"round {r + 1}/{args.rounds} (wall tok/s, tok per CPU-s): " + ", ".join(
+                f"{name} {num(tok_s(results[name][-1]))} {num(tok_cpu(results[name][-1]))}" for name in args.configs),
+                file=sys.stderr, flush=True)
+    finally:
+        for name, served in engines.items():
+            runs[name] = served.close()
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        for name, run in runs.items():
+            (args.logs / f"{name}.log").write_text(run.log)
+    for name, run in runs.items():
+        if run.returncode != 0 or run.leftovers:
+            raise SystemExit(f"bench/engine.py: the {name} engine exited {run.returncode}, "
+                             f"leftovers {run.leftovers}:\n{run.log[-3000:]}")
+    active = {name: "sglang_oobguard active (pid" in run.log for name, run in runs.items()}
+    for name in args.configs:  # each configuration is what it says: the guard on exactly where asked
+        if active[name] != (name in GUARDED):
+            raise SystemExit(f"bench/engine.py: the {name} engine: guard active = {active[name]}, expected "
+                             f"{name in GUARDED}:\n{runs[name].log[-3000:]}")
+    return {"rounds": results, "startup_s": startup}
+
+
+def rate(tokens: int, seconds: float) -> float:
+    """nan where the decode's share is not above zero: a run of a few tokens, shorter than
+    the noise of the prefill's time or the CPU clock's 10 ms tick."""
+    return tokens / seconds if seconds > 0 else NAN
+
+
+def tok_s(got: dict) -> float:
+    """Decode tokens per second, wall clock."""
+    return rate(got["batch"] * (got["tokens"] - 1), got["full_s"] - got["prefill_s"])
+
+
+def tok_cpu(got: dict) -> float:
+    """Decode tokens per CPU second of the engine's processes."""
+    return rate(got["batch"] * (got["tokens"] - 1), got["full_cpu_s"] - got["prefill_cpu_s"])
+
+
+METRICS = {"wall": tok_s, "cpu": tok_cpu}
+
+
+def summarize(args: argparse.Namespace, raw: dict) -> dict:
+    rounds = raw["rounds"]
+    off = rounds["off"]
+    rows = {}
+    for name in args.configs:
+        mine = rounds[name]
+        rows[name] = {
+            "label": CONFIGS[name][0], "env": env_text(CONFIGS[name][1]),
+            "same_tokens": all(a["outputs"] == b["outputs"] for a, b in zip(mine, off)),
+            "all_tokens": all(c == args.new_tokens for got in mine for c in got["completion_tokens"]),
+            "prefill_s": statistics.median(got["prefill_s"] for got in mine),
+        }
+        for metric, f in METRICS.items():
+            rows[name][metric] = ratio_stats([f(got) for got in mine])["median"]
+            rows[name][f"{metric}_rounds"] = [f(got) for got in mine]
+            rows[name][f"{metric}_vs_off"] = ratio_stats([f(a) / f(b) for a, b in zip(mine, off)])
+    targets = []
+    for name, base, floor in TARGETS:
+        if name in rounds and base in rounds:
+            target = {"config": name, "baseline": base, "target": floor}
+            for metric, f in METRICS.items():
+                stats = ratio_stats([f(a) / f(b) for a, b in zip(rounds[name], rounds[base])])
+                target[metric] = {**stats, "meets": None if stats["median"] != stats["median"]
+                                  else stats["median"] >= floor}
+            targets.append(target)
+    return {"rows": rows, "targets": targets}
+
+
+def header(args: argparse.Namespace) -> str:
+    import torch
+
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} {os.cpu_count()} cores"
+    return (f"sglang-oobguard engine benchmark, {when}, sglang {version('sglang')}, torch {torch.__version__}, "
+            f"{device}; sglang Engine ({'CUDA graphs and overlap scheduler on' if args.device == 'cuda' else 'CPU'}"
+            f"{'' if args.device == 'cuda' else f', {args.threads} torch thread(s) per engine'}), tiny Llama "
+            f"{args.layers} layers, batch {args.batch}, {args.new_tokens} new tokens greedy, {args.rounds} rounds "
+            f"interleaved")
+
+
+def span(stats: dict) -> str:
+    if stats["median"] != stats["median"]:
+        return "n/a"
+    return f"{stats['median']:.3f} ({stats['min']:.3f}-{stats['max']:.3f})"
+
+
+def table(args: argparse.Namespace, summary: dict) -> str:
+    rows = summary["rows"]
+    target_of = {t["config"]: t for t in summary["targets"]}
+    lines = ["| configuration | environment | decode tok/s | vs off (wall) | decode tok per CPU-s | vs off (CPU) "
+             "| target | same tokens as off |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in args.configs:
+        row = rows[name]
+        wall = "1 (baseline)" if name == "off" else span(row["wall_vs_off"])
+        cpu = "1 (baseline)" if name == "off" else span(row["cpu_vs_off"])
+        target = ""
+        t = target_of.get(name)
+        if t:
+            base = rows[t["baseline"]]["label"]
+            against = "" if t["baseline"] == "off" else (f"vs {base}: wall {span(t['wall'])}, "
+                                                           f"CPU {span(t['cpu'])}; ")
+            verdict = ", ".join(f"{metric} {({True: 'meets', False: 'MISSES', None: 'n/a'})[t[metric]['meets']]}"
+                                for metric in METRICS)
+            target = f"{against}>= {t['target']} of {base}: {verdict}"
+        same = "yes" if row["same_tokens"] and row["all_tokens"] else "NO"
+        lines.append(f"| {row['label']} | `{row['env']}` | {num(row['wall'])} | {wall} | {num(row['cpu'])} | {cpu} "
+                     f"| {target} | {same} |")
+    return "\n".join(lines)
+
+
+def chart(args: argparse.Namespace, summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    names = [name for name in args.configs if name != "off"]
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=120)
+    for i, name in enumerate(names):
+        for metric, color, dx in (("wall", "tab:blue", -0.12), ("cpu", "tab:green", 0.12)):
+            values = rows[name][f"{metric}_vs_off"]["rounds"]
+            ax.scatter([i + dx] * len(values), values, s=12, alpha=0.6, color=color,
+                       label=f"{metric} (per round)" if i == 0 else None)
+            ax.hlines(rows[name][f"{metric}_vs_off"]["median"], i + dx - 0.1, i + dx + 0.1, color="black")
+    for t in summary["targets"]:
+        if t["baseline"] == "off" and t["config"] in names:
+            i = names.index(t["config"])
+            ax.hlines(t["target"], i - 0.35, i + 0.35, color="tab:red", linestyles="dashed")
+    ax.axhline(1.0, color="grey", linewidth=0.6)
+    ax.set_xticks(range(len(names)), [rows[name]["label"] for name in names], fontsize=8)
+    ax.set_ylabel("decode tokens vs off")
+    ax.legend(fontsize=7)
+    ax.set_title(f"CPU engine, {args.layers} layers, batch {args.batch}, {args.new_tokens} tokens, "
+                 f"{args.rounds} rounds; black: median, red: target", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the engines are closed on the way out
+    args = parse(argv)
+    if args.dry_run:
+        sys.path[:0] = [str(ROOT / "tests" / "e2e")]
+        from engine_run import engine_options
+
+        print(f"bench/engine.py dry run: {len(args.configs)} engines ({', '.join(args.configs)}), "
+              f"{args.rounds} rounds, tiny Llama {args.layers} layers")
+        print("engine options: " + json.dumps(engine_options("MODEL", "serve", list(engine_args(args))),
+                                               sort_keys=True))
+        for name in args.configs:
+            print(f"  {name}: {env_text(CONFIGS[name][1])}")
+        if args.json:
+            args.json.write_text(json.dumps({"dry_run": True, "configs": args.configs}))
+        return 0
+    from e2e.tiny_model import build_tiny_llama
+
+    with tempfile.TemporaryDirectory(prefix="oobguard-bench-engine-") as folder:
+        model = build_tiny_llama(Path(folder) / "model", layers=args.layers)
+        t0 = time.monotonic()
+        raw = measure(args, model)
+        wall = time.monotonic() - t0
+    summary = summarize(args, raw)
+    print(header(args))
+    print(f"decode tok/s = batch * (new tokens - 1) / (time of generate(N tokens) - time of generate(1 token)), "
+          f"both timed in the engine's process in the same round; decode tok per CPU-s: the same tokens over the "
+          f"CPU seconds (user + system) of the engine's processes in those two calls. Ratios: per round, against "
+          f"off's in the same round; median (min-max). Engines started in {raw['startup_s']:.0f} s, "
+          f"all in {wall:.0f} s.")
+    print()
+    print(table(args, summary))
+    print()
+    same = all(row["same_tokens"] and row["all_tokens"] for row in summary["rows"].values())
+    print(f"tokens: {'every configuration produced off' + chr(39) + 's tokens in every round' if same else 'DIFFER'}"
+          f" ({args.batch} requests x {args.new_tokens} tokens)")
+    if args.json:
+        args.json.write_text(json.dumps({"header": header(args), "args": {k: str(v) for k, v in vars(args).items()},
+                                         **summary, "raw": raw}, indent=1))
+    if args.png:
+        chart(args, summary, args.png)
+        print(f"chart: {args.png}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
