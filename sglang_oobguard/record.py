@@ -145,9 +145,6 @@ class PoolRecord:
         """A forked child: the parent's idle flusher may have held the lock at the fork."""
         self._lock = threading.Lock()
 
-    def in_flight(self) -> int:
-        return sum(slot.pending for slot in self._slots)
-
     def flush(self) -> Optional[Record]:
         """Wait for every copy in flight, then for one more copy of the record as it is
         after all that the current stream enqueued: the record, read back. May wait (an

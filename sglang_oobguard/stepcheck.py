@@ -29,7 +29,6 @@ from . import device, stepmap
 
 from .guard import Guard
 from .report import KVOutOfBoundsError
-from .pools import STATE_ATTR
 from .targets import POOL_IDS
 from .writes import check_write
 
@@ -54,7 +53,7 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
         return None
     passed, where = mapped
-    live = pool.__dict__[STATE_ATTR].live is not None
+    live = guard.state(pool, loc.device).live is not None
     memo = guard.calls.memo
     memo[(id(pool), high, 0, id(loc), id(None), live)] = (loc, passed, where >= 0, where)
     if passed is loc:

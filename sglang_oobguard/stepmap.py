@@ -6,9 +6,9 @@ gives it), duplicates, shared rows and, with liveness on, the owner check: the h
 check (`hostmap.check_host`) for CPU ids, else the one launch of `stepkernel`. It
 returns the ids the step's pool-method writes get (the caller's, or a cleaned copy in
 the pool's copy buffer), or None where the map is not defined for this forward
-(skipped by name: said once, counted in `SKIPPED`), and the caller checks bounds and
-liveness alone. Writers that take out_cache_loc themselves (the fused ones) are
-reported, not contained: sglang's batch is never changed.
+(skipped by name: said once in the log), and the caller checks bounds and liveness
+alone. The step check binds a cleaned copy to the batch for the forward
+(`stepcheck`), so the writers that take out_cache_loc from the batch get it too.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from .targets import write_map_off
 
 WRITE_MAP_OFF = write_map_off()  # the installed sglang's: read once
 TABLES_ATTR = "_oobguard_step_tables"  # on a PoolState: its stepkernel.Tables
-SKIPPED: dict[str, int] = {}  # reason -> forwards whose write map was not checked
 
 
 def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> Optional[tuple[torch.Tensor, int]]:
@@ -37,7 +36,6 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> O
         return given, -1
     rule = WRITE_MAP_OFF or writemap.rule_of(batch, runner)
     if isinstance(rule, str):
-        SKIPPED[rule] = SKIPPED.get(rule, 0) + 1
         if guard.first_time(f"write map skipped: {rule}"):
             logger.warning("sglang_oobguard: write map not checked for %s (bounds%s only)", rule,
                            " and liveness" if guard.config.liveness else "")
