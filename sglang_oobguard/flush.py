@@ -12,7 +12,7 @@ next step, and are covered here:
   and strict mode leave a record to the next step boundary, which raises into
   sglang (a report taken by the thread would have no caller to raise into), or to
   the exit flush.
-- process exit (atexit) and shutdown: `flush(guard)` waits for each record's copies
+- process exit (atexit), shutdown and uninstall: `flush(guard)` waits for each record's copies
   (an event synchronize) and publishes what they read.
 - before the report folder is read in this process: the pytest plugin's
   sessionfinish calls check() (which flushes); `python -m sglang_oobguard report`
@@ -92,13 +92,19 @@ def flush(guard: Guard) -> None:
         _publish(guard, state, state.record.flush())
 
 
+def at_shutdown(guard: Guard) -> None:
+    """Exit or uninstall: flush one guard; never raise into the interpreter's exit or
+    the caller of uninstall."""
+    try:
+        flush(guard)
+    except Exception as exc:  # e.g. a CUDA error after a device-side assert
+        logger.error("sglang_oobguard: flush at shutdown failed: %s: %s", type(exc).__name__, exc)
+
+
 def at_exit() -> None:
-    """Process exit: flush every live guard; never raise out of the interpreter's exit."""
+    """Process exit: flush every live guard."""
     for guard in list(_guards):
-        try:
-            flush(guard)
-        except Exception as exc:  # e.g. a CUDA error after a device-side assert
-            logger.error("sglang_oobguard: flush at exit failed: %s: %s", type(exc).__name__, exc)
+        at_shutdown(guard)
 
 
 def idle_tick(guard: Guard, seen: dict) -> None:

@@ -293,10 +293,12 @@ def _check_backend(config: config_mod.Config) -> None:
 
 
 def uninstall() -> None:
-    """Put every original object back; a no-op when not installed."""
+    """Put every original object back; a no-op when not installed. What the device
+    recorded and no step read yet is published first (a shutdown: it may wait)."""
     global _active
     with _lock:
         if _active is not None:
+            flush.at_shutdown(_active.guard)
             _active.undo()
             _active.guard.forget()
             _active = None

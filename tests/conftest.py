@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import GUARD_VARS, shim_old_sglang  # noqa: E402
+from helpers import GUARD_VARS, Layer, mha, shim_old_sglang  # noqa: E402
 
 shim_old_sglang()
 pytest_plugins = ["pytester"]  # the pytest plugin's own tests (tests/test_pytest_plugin.py)
@@ -56,7 +56,7 @@ def runner(mp, monkeypatch, request):
     backends do."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    from helpers import Layer, as_write_loc
+    from helpers import as_write_loc
 
     layers_of_model = getattr(request.module, "LAYERS", 4)
 
@@ -76,6 +76,16 @@ def runner(mp, monkeypatch, request):
         return run
 
     return make
+
+
+@pytest.fixture
+def sglang_first_write_made(mp):
+    """sglang's first write of a process imports a module lazily, and that import's
+    retained frames hold the first write's arguments (its pool, a guarded write's copy
+    buffer) for the process: make that first write here, unguarded, in a test that
+    checks what outlives its objects."""
+    k = torch.ones(1, 2, 4)
+    mha(mp).set_kv_buffer(Layer(0), torch.tensor([1]), k, k)
 
 
 @pytest.fixture

@@ -141,7 +141,7 @@ def test_super_call_with_the_same_ids_is_probed_once(mp, guard, monkeypatch):
         sglang_oobguard.check()
 
 
-def test_classes_defined_after_install_are_guarded_and_released(mp, guard, monkeypatch, caplog):
+def test_classes_defined_after_install_are_guarded_and_released(mp, guard, monkeypatch, caplog, sglang_first_write_made):
     """Pool modules load after the plugin runs: KVCache.__init_subclass__ catches them."""
     caplog.set_level(logging.INFO, logger="sglang_oobguard")
     guard("raise", backend="triton")

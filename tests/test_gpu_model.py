@@ -25,13 +25,8 @@ LAYERS, HIGH = 4, 65
 
 
 @pytest.fixture(autouse=True)
-def sglang_imported_lazily(mp):
-    """sglang's first write imports a module lazily, and that import's retained frames
-    hold the first write's arguments for the process (a guarded first write's copy
-    buffer included): make that first write here, unguarded, so the graph tests see
-    the guard's own references only."""
-    k = torch.ones(1, 2, 4)
-    mha(mp).set_kv_buffer(Layer(0), torch.tensor([1]), k, k)
+def _first_write(sglang_first_write_made):
+    """The graph tests see the guard's own references only."""
 
 
 def decode_batch(loc):
@@ -175,6 +170,19 @@ def test_exit_flush_waits_for_the_device(mp, guard, runner):
         flush.at_exit()
         (v,) = sglang_oobguard.violations()
         assert v.value == HIGH + 2
+
+
+def test_uninstall_publishes_what_the_device_recorded(mp, guard, runner, caplog):
+    """uninstall() is a shutdown: the record no step read yet is waited for and filed."""
+    with Model(lag=2) as model:
+        guard("warn")
+        run = runner(mha(mp))
+        run.forward(decode_batch(torch.tensor([1, HIGH + 3, 3])))
+        model.host_step()
+        assert sglang_oobguard.violations() == []
+        with caplog.at_level(logging.WARNING, "sglang_oobguard"):
+            sglang_oobguard.uninstall()
+        assert f"loc[1] = {HIGH + 3}" in caplog.text
 
 
 WARN_EXIT = SHIM + """
