@@ -175,6 +175,20 @@ def mha(mp, size=64, page_size=1, dtype=torch.float32):
     return mp.MHATokenToKVPool(size, page_size, dtype, 2, 4, 4, "cpu", False)
 
 
+def decode_batch(loc: torch.Tensor):
+    """A decode ForwardBatch of one token per request at `loc` (the step hook's view of a
+    step: no req_to_token, so bounds only), its requests named r0, r1, ..."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    size = loc.numel()
+    seq_lens = [4] * size
+    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=size, input_ids=torch.zeros(size, dtype=torch.int64),
+                         req_pool_indices=torch.arange(size), seq_lens=torch.tensor(seq_lens),
+                         out_cache_loc=loc, seq_lens_sum=sum(seq_lens))
+    batch.seq_lens_cpu, batch.rids = torch.tensor(seq_lens), [f"r{i}" for i in range(size)]
+    return batch
+
+
 def token_allocator(allocators, pool):
     """sglang's TokenToKVPoolAllocator over `pool` (0.4.x has no need_sort)."""
     cls = allocators.TokenToKVPoolAllocator

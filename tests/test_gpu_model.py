@@ -18,7 +18,7 @@ import torch
 
 import sglang_oobguard
 from devmodel import GraphError, Model
-from helpers import SHIM, Layer, mha, run_python, token_allocator
+from helpers import SHIM, Layer, decode_batch, mha, run_python, token_allocator
 from sglang_oobguard import KVOutOfBoundsError, flush, record
 
 LAYERS, HIGH = 4, 65
@@ -27,18 +27,6 @@ LAYERS, HIGH = 4, 65
 @pytest.fixture(autouse=True)
 def _first_write(sglang_first_write_made):
     """The graph tests see the guard's own references only."""
-
-
-def decode_batch(loc):
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    size = loc.numel()
-    seq_lens = [4] * size
-    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=size, input_ids=torch.zeros(size, dtype=torch.int64),
-                         req_pool_indices=torch.arange(size), seq_lens=torch.tensor(seq_lens),
-                         out_cache_loc=loc, seq_lens_sum=sum(seq_lens))
-    batch.seq_lens_cpu, batch.rids = torch.tensor(seq_lens), [f"r{i}" for i in range(size)]
-    return batch
 
 
 def first_report_step(run, model, bad_step: int, steps: int) -> int:
@@ -160,29 +148,18 @@ def test_idle_flush_reports_the_last_steps_violation(mp, guard, runner):
         assert model.counts["event_syncs"] == 0
 
 
-def test_exit_flush_waits_for_the_device(mp, guard, runner):
+@pytest.mark.parametrize("shutdown", [flush.at_exit, sglang_oobguard.uninstall], ids=["exit", "uninstall"])
+def test_a_shutdown_waits_for_the_device_and_files_its_record(mp, guard, runner, caplog, shutdown):
+    """Process exit and uninstall(): the record no step read yet is waited for and filed."""
     with Model(lag=2) as model:
         guard("warn")
         run = runner(mha(mp))
         run.forward(decode_batch(torch.tensor([1, HIGH + 2, 3])))
         model.host_step()
         assert sglang_oobguard.violations() == []
-        flush.at_exit()
-        (v,) = sglang_oobguard.violations()
-        assert v.value == HIGH + 2
-
-
-def test_uninstall_publishes_what_the_device_recorded(mp, guard, runner, caplog):
-    """uninstall() is a shutdown: the record no step read yet is waited for and filed."""
-    with Model(lag=2) as model:
-        guard("warn")
-        run = runner(mha(mp))
-        run.forward(decode_batch(torch.tensor([1, HIGH + 3, 3])))
-        model.host_step()
-        assert sglang_oobguard.violations() == []
         with caplog.at_level(logging.WARNING, "sglang_oobguard"):
-            sglang_oobguard.uninstall()
-        assert f"loc[1] = {HIGH + 3}" in caplog.text
+            shutdown()
+        assert f"loc[1] = {HIGH + 2}" in caplog.text
 
 
 WARN_EXIT = SHIM + """

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, as_write_loc, token_allocator
+from helpers import Layer, as_write_loc, decode_batch, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,16 +30,15 @@ def kv(n):
     return torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
 
 
-def decode_batch(loc):
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    size = loc.numel()
-    seq_lens = [4] * size
-    batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=size, input_ids=torch.zeros(size, dtype=torch.int64),
-                         req_pool_indices=torch.arange(size), seq_lens=torch.tensor(seq_lens),
-                         out_cache_loc=loc, seq_lens_sum=sum(seq_lens))
-    batch.seq_lens_cpu, batch.rids = torch.tensor(seq_lens), [f"r{i}" for i in range(size)]
-    return batch
+def captured_write(pool, loc, k):
+    """One eager warm-up write (sglang's graph runner runs the model once first), then
+    the same write captured in a CUDA graph."""
+    pool.set_kv_buffer(Layer(0), loc, k, k)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool.set_kv_buffer(Layer(0), loc, k, k)
+    return graph
 
 
 def cuda_runner(mp, runner, monkeypatch, pool, graph: bool):
@@ -110,11 +109,7 @@ def test_a_pool_resize_after_capture_keeps_the_shadow_the_graph_reads(mp, guard,
     pool = cuda_pool(mp)
     alloc = token_allocator(allocator, pool)
     loc, k = alloc.alloc(3), kv(3)
-    pool.set_kv_buffer(Layer(0), loc, k, k)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pool.set_kv_buffer(Layer(0), loc, k, k)
+    graph = captured_write(pool, loc, k)
     graph.replay()
     sglang_oobguard.check()
     pool.size = alloc.size = size
@@ -133,11 +128,7 @@ def test_uninstall_keeps_what_a_captured_graph_holds(mp, guard):
     guard("warn", poll_every=1000)
     pool = cuda_pool(mp)
     loc, k = torch.tensor([1, 2, 3], device="cuda"), kv(3)
-    pool.set_kv_buffer(Layer(0), loc, k, k)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pool.set_kv_buffer(Layer(0), loc, k, k)
+    graph = captured_write(pool, loc, k)
     sglang_oobguard.uninstall()
     gc.collect()
     torch.cuda.empty_cache()
