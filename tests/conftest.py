@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from helpers import GUARD_VARS, Layer, mha, shim_old_sglang  # noqa: E402
+from helpers import GUARD_VARS, Layer, mha, model_runner_class, shim_old_sglang  # noqa: E402
 
 shim_old_sglang()
 pytest_plugins = ["pytester"]  # the pytest plugin's own tests (tests/test_pytest_plugin.py)
@@ -54,7 +54,7 @@ def runner(mp, monkeypatch, request):
     model itself is replaced (test-only) by a loop that writes each of the test module's
     LAYERS layers' KV at the batch's out_cache_loc through the real pool, as the attention
     backends do."""
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    ModelRunner = model_runner_class()
 
     from helpers import as_write_loc
 

@@ -76,10 +76,28 @@ def _kvwriteloc_physical() -> bool:
     return "physical" in inspect.signature(cls).parameters
 
 
+def _imports_under_the_interpreter(module: str) -> Callable[[], bool]:
+    """Detects that `module` imports in this process, run under Triton's interpreter as
+    the tests are; False only for the interpreter's known failure (an AssertionError
+    where sglang checks for a compiled Triton function), any other failure raises."""
+
+    def detect() -> bool:
+        try:
+            _module(module)
+        except AssertionError:
+            if not os.environ.get("TRITON_INTERPRET"):
+                raise
+            return False
+        return True
+
+    return detect
+
+
 @dataclass(frozen=True)
 class Fact:
     detect: Callable[[], bool]
     since: str  # the release it arrived in (for the skip's reason; the detection decides)
+    why: str = ""  # the skip's reason where it is absent for another cause than age
 
 
 FACTS: dict[str, Fact] = {
@@ -96,6 +114,9 @@ FACTS: dict[str, Fact] = {
     "KVWriteLoc.physical": Fact(_kvwriteloc_physical, "0.5.22"),
     "KVCache._check_physical_write_loc": Fact(_has(MEMORY_POOL, "KVCache._check_physical_write_loc"), "0.5.22"),
     # other modules
+    "ModelRunner": Fact(_imports_under_the_interpreter("sglang.srt.model_executor.model_runner"), "0.4.10",
+                        "model_runner does not import under Triton's interpreter (the tests' TRITON_INTERPRET=1): "
+                        "0.5.3's LoRA kernels (CachedKernel) assert a compiled Triton function"),
     "plugin loader": Fact(lambda: _module("sglang.srt.plugins") is not None, "0.5.11"),  # sglang.srt.plugins
     "dsa_cache_layer_split": Fact(lambda: _module("sglang.srt.mem_cache.dsa_cache_layer_split") is not None, "0.5.16"),
     "PagedTokenToKVPoolAllocator.free_page_ids": Fact(
@@ -133,7 +154,16 @@ def needs(*facts) -> None:
         return
     for fact in facts:
         if not has(fact):
-            pytest.skip(f"sglang {SGLANG} lacks {fact} (it arrived in {FACTS[fact].since})")
+            pytest.skip(f"sglang {SGLANG} lacks {fact} ({FACTS[fact].why or 'it arrived in ' + FACTS[fact].since})")
+
+
+def model_runner_class() -> type:
+    """sglang's ModelRunner, the step hook's host, or a skip where this process cannot
+    import it (FACTS["ModelRunner"])."""
+    needs("ModelRunner")
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    return ModelRunner
 
 
 def needs_site(mp, label: str) -> None:

@@ -12,6 +12,7 @@ import inspect
 import pytest
 import torch
 
+from helpers import model_runner_class
 import sglang_oobguard
 from sglang_oobguard import KVOutOfBoundsError
 
@@ -37,7 +38,7 @@ def forward_step(pool, loc):
     """One forward through sglang's ModelRunner.forward under the guard's step hook
     (no model: the step check alone)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    ModelRunner = model_runner_class()
 
     run = ModelRunner.__new__(ModelRunner)
     run.token_to_kv_pool, run.tp_rank, run.pp_rank, run.dp_rank = pool, 0, 0, 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, as_write_loc, decode_batch, token_allocator
+from helpers import Layer, as_write_loc, decode_batch, model_runner_class, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -45,7 +45,7 @@ def cuda_runner(mp, runner, monkeypatch, pool, graph: bool):
     """sglang's ModelRunner under the step hook; its model is the LAYERS layers' writes at
     out_cache_loc, made eagerly or replayed from a CUDA graph captured as sglang's graph
     runner captures (outside ModelRunner.forward, after one eager warm-up run)."""
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    ModelRunner = model_runner_class()
 
     run = runner(pool)
     k = kv(3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, as_write_loc, mha
+from helpers import Layer, as_write_loc, mha, model_runner_class
 from sglang_oobguard import KVOutOfBoundsError
 from sglang_oobguard.targets import write_map_off
 
@@ -25,7 +25,7 @@ def runner(mp, monkeypatch):
     """sglang's ModelRunner with the guard's hook; the model replaced (test-only) by a loop
     writing every layer's KV at the batch's out_cache_loc through the real pool."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    ModelRunner = model_runner_class()
 
     def make(pool):
         run = ModelRunner.__new__(ModelRunner)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import model_runner_class
 from sglang_oobguard import hostmap, owners, shadow, stepkernel, writemap
 from sglang_oobguard.record import RECORD_LEN, Kind, Record
 from sglang_oobguard.targets import write_map_off
@@ -35,7 +36,7 @@ def req_pool(rng: random.Random):
 def model_runner(pool, draft=False, topk=1, steps=3, page=1):
     """sglang's ModelRunner, not loaded: only what the write map reads (server_args: the two
     speculative settings, a namespace)."""
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    ModelRunner = model_runner_class()
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.req_to_token_pool, runner.is_draft_worker, runner.page_size = pool, draft, page
