@@ -154,7 +154,8 @@ def needs(*facts) -> None:
         return
     for fact in facts:
         if not has(fact):
-            pytest.skip(f"sglang {SGLANG} lacks {fact} ({FACTS[fact].why or 'it arrived in ' + FACTS[fact].since})")
+            why = FACTS[fact].why
+            pytest.skip(f"sglang {SGLANG}: {why}" if why else f"sglang {SGLANG} lacks {fact} (it arrived in {FACTS[fact].since})")
 
 
 def model_runner_class() -> type:
