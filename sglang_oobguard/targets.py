@@ -113,6 +113,9 @@ OWN: dict[tuple[str, str], Rule] = {
     ("MLATokenToKVPool", "set_mla_kv_buffer"): Rule((Ids(1, ("loc", "loc_info"), DCP_TOKEN_SLOTS),)),
     # index K of NSA/DSA models: token ids, paged inside (page = loc // page_size)
     ("NSATokenToKVPool", "set_index_k_scale_buffer"): WRITE,
+    ("NSATokenToKVPool", "set_index_k_and_scale_buffer"): WRITE,  # its name in 0.5.3 - 0.5.7
+    # 0.5.3 - 0.5.7's NPU MLA pool: index_k_buffer holds size // page_size + 1 pages of token rows
+    ("AscendMLAPagedTokenToKVPool", "set_index_k_buffer"): WRITE,
     ("DSATokenToKVPool", "set_index_k_scale_buffer"): WRITE,
     ("LayerSplitDSATokenToKVPool", "set_index_k_scale_buffer"): WRITE,
     ("HybridLinearKVPool", "set_index_k_scale_buffer"): WRITE,  # full-pool ids, passed on as they are

@@ -107,6 +107,12 @@ FACTS: dict[str, Fact] = {
     "NoOpMHATokenToKVPool": Fact(_has(MEMORY_POOL, "NoOpMHATokenToKVPool"), "0.5.12"),
     "maybe_detect_oob": Fact(_has(MEMORY_POOL, "maybe_detect_oob"), "0.5.13"),  # upstream's probe
     "DSATokenToKVPool": Fact(_has(MEMORY_POOL, "DSATokenToKVPool"), "0.5.13"),
+    "NSATokenToKVPool.set_index_k_and_scale_buffer": Fact(
+        _has(MEMORY_POOL, "NSATokenToKVPool.set_index_k_and_scale_buffer"), "0.5.3",
+        "NSATokenToKVPool.set_index_k_and_scale_buffer is the name of 0.5.3 - 0.5.7 (set_index_k_scale_buffer since)"),
+    "AscendMLAPagedTokenToKVPool.set_index_k_buffer": Fact(
+        _has(MEMORY_POOL, "AscendMLAPagedTokenToKVPool.set_index_k_buffer"), "0.5.3",
+        "AscendMLAPagedTokenToKVPool is the NPU MLA pool of 0.5.3 - 0.5.7 (NPUMLATokenToKVPool since)"),
     "KVWriteLoc": Fact(_has(MEMORY_POOL, "KVWriteLoc"), "0.5.14"),
     "MHATokenToKVPool.set_kv_buffer_prefix_valid": Fact(_has(MEMORY_POOL, "MHATokenToKVPool.set_kv_buffer_prefix_valid"),
                                                         "0.5.16"),

@@ -141,6 +141,41 @@ def test_super_call_with_the_same_ids_is_probed_once(mp, guard, monkeypatch):
         sglang_oobguard.check()
 
 
+OLDER_INDEX_K = {  # 0.5.3 - 0.5.7's index-K writes: (pool factory, payload, the buffer list it writes)
+    "NSATokenToKVPool.set_index_k_and_scale_buffer": (
+        lambda mp: mp.NSATokenToKVPool(64, 64, 16, torch.bfloat16, 16, 2, "cpu", 128, False),
+        lambda n: (torch.randn(n, 128).to(torch.float8_e4m3fn), torch.ones(n, 1)), "index_k_with_scale_buffer"),
+    "AscendMLAPagedTokenToKVPool.set_index_k_buffer": (
+        lambda mp: mp.AscendMLAPagedTokenToKVPool(112, 16, torch.bfloat16, 16, 16, 128, 2, "cpu", False),
+        lambda n: (torch.randn(n, 128, dtype=torch.bfloat16),), "index_k_buffer"),
+}
+
+
+@pytest.mark.parametrize("fact", OLDER_INDEX_K)
+def test_the_older_index_k_writes_are_guarded(mp, guard, fact):
+    """Token ids, paged inside (the rule of their later names): a bad id is stopped
+    before anything is written; an in-range one reaches sglang's own write, which
+    needs a GPU (NSA's Triton kernel) or an NPU (torch_npu): here it fails inside
+    sglang, never in the guard."""
+    needs(fact)
+    make, payload, buffers = OLDER_INDEX_K[fact]
+    cls, method = fact.split(".")
+    guard("strict")
+    pool = make(mp)
+    high = pool.size + pool.page_size  # 128 in both: the rows of the index-K buffer
+    before = [b.clone() for b in getattr(pool, buffers)]
+    with pytest.raises(KVOutOfBoundsError, match=rf"{method} \({cls}\) layer 0: 1 of 2 slot ids outside "
+                                                 rf"\[0, {high}\): loc\[1\] = {high}"):
+        getattr(pool, method)(0, torch.tensor([5, high]), *payload(2))
+    assert all(torch.equal(x, y) for x, y in zip(before, getattr(pool, buffers)))
+    try:
+        getattr(pool, method)(0, torch.tensor([5, high - 1]), *payload(2))
+    except KVOutOfBoundsError:
+        raise
+    except Exception:  # sglang's own write, on a machine without its device
+        pass
+
+
 def test_classes_defined_after_install_are_guarded_and_released(mp, guard, monkeypatch, caplog, sglang_first_write_made):
     """Pool modules load after the plugin runs: KVCache.__init_subclass__ catches them."""
     caplog.set_level(logging.INFO, logger="sglang_oobguard")
