@@ -76,17 +76,22 @@ def _kvwriteloc_physical() -> bool:
     return "physical" in inspect.signature(cls).parameters
 
 
-def _imports_under_the_interpreter(module: str) -> Callable[[], bool]:
-    """Detects that `module` imports in this process, run under Triton's interpreter as
-    the tests are; False only for the interpreter's known failure (an AssertionError
-    where sglang checks for a compiled Triton function), any other failure raises."""
+def _imports_here(module: str) -> Callable[[], bool]:
+    """Detects that `module` imports in this process. False only for the known causes
+    outside the guard, kept in `detect.failure` for the skip's reason: an AssertionError
+    under Triton's interpreter (sglang checking for a compiled Triton function), or a
+    missing optional dependency that sglang falls back to on this machine (vllm, on a
+    CPU without AMX). Any other failure raises."""
 
     def detect() -> bool:
         try:
             _module(module)
-        except AssertionError:
-            if not os.environ.get("TRITON_INTERPRET"):
+        except (AssertionError, ModuleNotFoundError) as exc:
+            interpreter = isinstance(exc, AssertionError) and os.environ.get("TRITON_INTERPRET")
+            optional = isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "vllm"
+            if not (interpreter or optional):
                 raise
+            detect.failure = type(exc).__name__ + (f": {exc}" if str(exc) else "")  # type: ignore[attr-defined]
             return False
         return True
 
@@ -120,9 +125,10 @@ FACTS: dict[str, Fact] = {
     "KVWriteLoc.physical": Fact(_kvwriteloc_physical, "0.5.22"),
     "KVCache._check_physical_write_loc": Fact(_has(MEMORY_POOL, "KVCache._check_physical_write_loc"), "0.5.22"),
     # other modules
-    "ModelRunner": Fact(_imports_under_the_interpreter("sglang.srt.model_executor.model_runner"), "0.4.10",
-                        "model_runner does not import under Triton's interpreter (the tests' TRITON_INTERPRET=1): "
-                        "0.5.3's LoRA kernels (CachedKernel) assert a compiled Triton function"),
+    "ModelRunner": Fact(_imports_here("sglang.srt.model_executor.model_runner"), "0.4.10",
+                        "model_runner does not import in this process, for a cause outside the guard (0.5.3 - 0.5.4: "
+                        "its LoRA kernels assert a compiled Triton function, and the tests run Triton's interpreter; "
+                        "0.5.6 - 0.5.7: on a CPU without AMX it imports vllm's activations)"),
     "plugin loader": Fact(lambda: _module("sglang.srt.plugins") is not None, "0.5.11"),  # sglang.srt.plugins
     "dsa_cache_layer_split": Fact(lambda: _module("sglang.srt.mem_cache.dsa_cache_layer_split") is not None, "0.5.16"),
     "PagedTokenToKVPoolAllocator.free_page_ids": Fact(
@@ -160,8 +166,10 @@ def needs(*facts) -> None:
         return
     for fact in facts:
         if not has(fact):
-            why = FACTS[fact].why
-            pytest.skip(f"sglang {SGLANG}: {why}" if why else f"sglang {SGLANG} lacks {fact} (it arrived in {FACTS[fact].since})")
+            why, failure = FACTS[fact].why, getattr(FACTS[fact].detect, "failure", "")
+            if why:
+                pytest.skip(f"sglang {SGLANG}: {why}" + (f": {failure}" if failure else ""))
+            pytest.skip(f"sglang {SGLANG} lacks {fact} (it arrived in {FACTS[fact].since})")
 
 
 def model_runner_class() -> type:
