@@ -143,7 +143,7 @@ def test_super_call_with_the_same_ids_is_probed_once(mp, guard, monkeypatch):
 
 OLDER_INDEX_K = {  # 0.5.3 - 0.5.7's index-K writes: (pool factory, payload, the buffer list it writes)
     "NSATokenToKVPool.set_index_k_and_scale_buffer": (
-        lambda mp: mp.NSATokenToKVPool(64, 64, 16, torch.bfloat16, 16, 2, "cpu", 128, False),
+        lambda mp: mp.NSATokenToKVPool(64, 64, 128, torch.bfloat16, 16, 2, "cpu", 128, False),  # 0.5.5+: kv_lora_rank % 128 == 0
         lambda n: (torch.randn(n, 128).to(torch.float8_e4m3fn), torch.ones(n, 1)), "index_k_with_scale_buffer"),
     "AscendMLAPagedTokenToKVPool.set_index_k_buffer": (
         lambda mp: mp.AscendMLAPagedTokenToKVPool(112, 16, torch.bfloat16, 16, 16, 128, 2, "cpu", False),
