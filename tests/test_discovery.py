@@ -213,7 +213,11 @@ def test_swa_wrapper_checked_at_its_door_and_swa_ids_at_the_sub_pool(mp, guard):
     needs("KVWriteLoc")
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-    pool = SWAKVPool(64, 32, 1, torch.float32, 2, 4, [1], [0], "cpu")
+    named = dict(size=64, size_swa=32, page_size=1, dtype=torch.float32, head_num=2, head_dim=4,
+                 swa_attention_layer_ids=[1], full_attention_layer_ids=[0], device="cpu",
+                 enable_kvcache_transpose=False)  # the last: 0.5.14 only
+    pool = SWAKVPool(**{name: value for name, value in named.items()
+                        if name in inspect.signature(SWAKVPool).parameters})
     guard("raise")
     k = torch.zeros(1, 2, 4)
     pool.set_kv_buffer(Layer(1), mp.KVWriteLoc(torch.tensor([60]), swa_loc=torch.tensor([30])), k, k)
