@@ -84,7 +84,8 @@ sglang.srt.mem_cache.memory_pool` alone, and with the test-only stand-ins (`test
 `sgl_kernel` has no CPU build) where alone fails. *doctor*: `python -m sglang_oobguard doctor`
 with the stand-ins on PYTHONPATH, its rc (and alone where that differs) and its method counts.
 *tests*: the guard's tests as `ci/test.sh` runs its older cells (`-m "not e2e and not bench"`,
-stand-ins on PYTHONPATH). The engine tests run on sglang 0.5.23 only (ci/test.sh).
+stand-ins on PYTHONPATH; `OOBGUARD_SWEEP_QUICK=1`: none, the row says so). The engine tests
+run on sglang 0.5.23 only (ci/test.sh). A row is the test suite of the day in its *swept* column.
 
 | release | memory_pool import | doctor rc | guarded methods | not guarded methods | tests passed / failed / skipped | first failure or upstream cause | swept |
 |---|---|---|---|---|---|---|---|
