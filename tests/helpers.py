@@ -234,6 +234,16 @@ def decode_batch(loc: torch.Tensor):
     return batch
 
 
+def cuda_pool(mp, size: int = 64, layers: int = 4):
+    """The GPU tests' pool: sglang's MHA pool on CUDA, bf16, 8 KV heads x 128."""
+    return mp.MHATokenToKVPool(size, 1, torch.bfloat16, 8, 128, layers, "cuda", False)
+
+
+def cuda_kv(n: int) -> torch.Tensor:
+    """K or V for n tokens of cuda_pool."""
+    return torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
+
+
 def token_allocator(allocators, pool):
     """sglang's TokenToKVPoolAllocator over `pool` (0.4.x has no need_sort)."""
     cls = allocators.TokenToKVPoolAllocator

@@ -12,21 +12,13 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, run_python, token_allocator
+from helpers import Layer, cuda_kv, cuda_pool, run_python, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 HIGH = 65
 MODES = ("strict", "raise", "warn")
-
-
-def cuda_pool(mp, size: int = 64, layers: int = 4):
-    return mp.MHATokenToKVPool(size, 1, torch.bfloat16, 8, 128, layers, "cuda", False)
-
-
-def kv(n):
-    return torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
 
 
 def test_strict_fails_the_process_at_the_next_sync_with_label_and_bound():
@@ -51,7 +43,7 @@ def test_strict_fails_the_process_at_the_next_sync_with_label_and_bound():
 def test_raise_surfaces_at_check_and_contains(mp, guard):
     guard("raise", poll_every=1000)
     pool = cuda_pool(mp)
-    pool.set_kv_buffer(Layer(2), torch.tensor([1, 70, 3], device="cuda"), kv(3), kv(3))
+    pool.set_kv_buffer(Layer(2), torch.tensor([1, 70, 3], device="cuda"), cuda_kv(3), cuda_kv(3))
     with pytest.raises(KVOutOfBoundsError, match=r"layer 2: 1 of 3 slot ids outside \[0, 65\): loc\[1\] = 70"):
         sglang_oobguard.check()
 
@@ -59,17 +51,17 @@ def test_raise_surfaces_at_check_and_contains(mp, guard):
 def test_raise_surfaces_at_a_later_guarded_call_without_sync(mp, guard):
     guard("raise", poll_every=1)
     pool = cuda_pool(mp)
-    pool.set_kv_buffer(Layer(0), torch.tensor([-1], device="cuda"), kv(1), kv(1))  # recorded; mirror copy enqueued
+    pool.set_kv_buffer(Layer(0), torch.tensor([-1], device="cuda"), cuda_kv(1), cuda_kv(1))  # recorded; mirror copy enqueued
     torch.cuda.synchronize()  # let the copy land; the guard itself never waits
     with pytest.raises(KVOutOfBoundsError, match=r"loc\[0\] = -1"):
-        pool.set_kv_buffer(Layer(0), torch.tensor([6], device="cuda"), kv(1), kv(1))
+        pool.set_kv_buffer(Layer(0), torch.tensor([6], device="cuda"), cuda_kv(1), cuda_kv(1))
 
 
 def test_warn_keeps_every_other_row_intact(mp, guard):
     guard("warn")
     pool = cuda_pool(mp)
     before = pool.k_buffer[1].clone()
-    k = kv(3)
+    k = cuda_kv(3)
     pool.set_kv_buffer(Layer(1), torch.tensor([7, HIGH + 9, 8], device="cuda"), k, k)
     sglang_oobguard.check()
     after = pool.k_buffer[1]
@@ -83,7 +75,7 @@ def test_cuda_graph_replay_checks_again(mp, guard):
     guard("raise", poll_every=1000)
     pool = cuda_pool(mp)
     loc = torch.tensor([1, 2, 3, 4], device="cuda")
-    k = kv(4)
+    k = cuda_kv(4)
     pool.set_kv_buffer(Layer(0), loc, k, k)  # warm-up: compiles outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -105,7 +97,7 @@ def test_liveness_on_cuda_catches_a_freed_slot_in_the_probe_and_in_a_graph(mp, g
     pool = cuda_pool(mp)
     alloc = token_allocator(allocator, pool)
     loc = alloc.alloc(3)
-    k = kv(3)
+    k = cuda_kv(3)
     graph = torch.cuda.CUDAGraph()
     pool.set_kv_buffer(Layer(1), loc, k, k)
     with torch.cuda.graph(graph):
@@ -144,7 +136,7 @@ def test_the_guarded_path_never_syncs_the_host(mp, guard, mode, liveness, record
     from sglang.srt.mem_cache import allocator
 
     pool = cuda_pool(mp)
-    k = kv(4)
+    k = cuda_kv(4)
 
     def serve(alloc) -> int:
         """Eight decode-like steps: alloc, write four layers, free every other step; the writes made."""
@@ -207,8 +199,8 @@ def test_no_compile_after_one_warm_up_call_per_site(mp, guard, mode, record_prop
         return torch.randn(n, 1, width, dtype=torch.bfloat16, device="cuda")
 
     sites: dict[str, Callable[[object, torch.Tensor, int], None]] = {
-        "set_kv_buffer (MHA)": lambda pool, loc, layer: pool.set_kv_buffer(Layer(layer), loc, kv(len(loc)),
-                                                                            kv(len(loc))),
+        "set_kv_buffer (MHA)": lambda pool, loc, layer: pool.set_kv_buffer(Layer(layer), loc, cuda_kv(len(loc)),
+                                                                            cuda_kv(len(loc))),
         "set_kv_buffer (MLA)": lambda pool, loc, layer: pool.set_kv_buffer(Layer(layer), loc, bf16(len(loc), 32),
                                                                             None),
         "set_mla_kv_buffer (MLA)": lambda pool, loc, layer: pool.set_mla_kv_buffer(
@@ -260,7 +252,7 @@ def test_one_launch_per_guarded_write_and_per_layer_of_a_decode_step(mp, guard, 
     layers = 8
     guard(mode, liveness=liveness)
     pool = cuda_pool(mp, layers=layers)
-    k = kv(16)
+    k = cuda_kv(16)
     # with liveness: slots handed out by sglang's allocator, so the probe reads the shadow too
     loc = token_allocator(allocator, pool).alloc(16) if liveness else torch.arange(1, 17, device="cuda")
 
@@ -293,7 +285,7 @@ def test_each_captured_graph_holds_one_probe_after_sglangs_eager_warm_up(mp, gua
     layers = 8
     guard("raise", poll_every=1000)
     pool = cuda_pool(mp, layers=layers)
-    k = kv(4)
+    k = cuda_kv(4)
     real, launches = kernels.launch, []
     monkeypatch.setattr(kernels, "launch", lambda *a, **kw: launches.append(torch.cuda.is_current_stream_capturing())
                         or real(*a, **kw))

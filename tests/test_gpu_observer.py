@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, run_python, token_allocator
+from helpers import Layer, cuda_kv, cuda_pool, run_python, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -19,20 +19,12 @@ SIZE, LAYERS = 64, 4
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: the forward stream is still busy when the free is issued
 
 
-def cuda_pool(mp):
-    return mp.MHATokenToKVPool(SIZE, 1, torch.bfloat16, 8, 128, LAYERS, "cuda", False)
-
-
-def kv(n):
-    return torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
-
-
 @pytest.mark.parametrize("mode", ["raise", "warn"])
 def test_graph_replay_contains_into_a_copy_and_the_callers_ids_stay(mp, guard, mode):
     guard(mode, poll_every=1000)
     pool = cuda_pool(mp)
     loc = torch.tensor([1, 2, 3, 4], device="cuda")
-    k = kv(4)
+    k = cuda_kv(4)
     graph = torch.cuda.CUDAGraph()
     pool.set_kv_buffer(Layer(0), loc, k, k)
     torch.cuda.synchronize()
@@ -83,7 +75,7 @@ def overlap(pool, alloc, loc, free_on, write_on, stale: bool) -> None:
     one write per layer at `loc`); `free_on` frees loc's last slot. Clean: the free is
     issued right after the writes were enqueued. Stale: the free comes first, and the
     forward stream waits for it (sglang's barrier) before a write to the freed slot."""
-    k = kv(loc.numel())
+    k = cuda_kv(loc.numel())
     if stale:
         with torch.cuda.stream(free_on):
             alloc.free(loc[-1:])
@@ -140,7 +132,7 @@ def test_probes_on_two_streams_fold_exact_totals(mp, guard):
     pool = cuda_pool(mp)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     bad = {0: torch.tensor([1, SIZE + 1, 2], device="cuda"), 1: torch.tensor([SIZE + 2, SIZE + 3, 3], device="cuda")}
-    k = kv(3)
+    k = cuda_kv(3)
     torch.cuda.synchronize()
     for i in range(400):
         with torch.cuda.stream(streams[i % 2]):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, as_write_loc, decode_batch, model_runner_class, token_allocator
+from helpers import Layer, as_write_loc, cuda_kv, cuda_pool, decode_batch, model_runner_class, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -20,14 +20,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SIZE, LAYERS = 64, 4
 BUSY_CYCLES = 50_000_000  # tens of ms of GPU time per step: the device is always behind the host's launches
 LAG = 1  # sglang's overlap scheduler: the host launches step N + 1 before it reads step N's results
-
-
-def cuda_pool(mp):
-    return mp.MHATokenToKVPool(SIZE, 1, torch.bfloat16, 8, 128, LAYERS, "cuda", False)
-
-
-def kv(n):
-    return torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
 
 
 def captured_write(pool, loc, k):
@@ -48,7 +40,7 @@ def cuda_runner(mp, runner, monkeypatch, pool, graph: bool):
     ModelRunner = model_runner_class()
 
     run = runner(pool)
-    k = kv(3)
+    k = cuda_kv(3)
     static = torch.tensor([1, 2, 3], device="cuda")
 
     def layers(loc):
@@ -108,7 +100,7 @@ def test_a_pool_resize_after_capture_keeps_the_shadow_the_graph_reads(mp, guard,
     guard("raise", poll_every=1000, liveness=True)
     pool = cuda_pool(mp)
     alloc = token_allocator(allocator, pool)
-    loc, k = alloc.alloc(3), kv(3)
+    loc, k = alloc.alloc(3), cuda_kv(3)
     graph = captured_write(pool, loc, k)
     graph.replay()
     sglang_oobguard.check()
@@ -127,12 +119,12 @@ def test_uninstall_keeps_what_a_captured_graph_holds(mp, guard):
     its buffers kept), and sglang's write still lands."""
     guard("warn", poll_every=1000)
     pool = cuda_pool(mp)
-    loc, k = torch.tensor([1, 2, 3], device="cuda"), kv(3)
+    loc, k = torch.tensor([1, 2, 3], device="cuda"), cuda_kv(3)
     graph = captured_write(pool, loc, k)
     sglang_oobguard.uninstall()
     gc.collect()
     torch.cuda.empty_cache()
-    k.copy_(kv(3))
+    k.copy_(cuda_kv(3))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(pool.k_buffer[0][1:4], k)
