@@ -122,8 +122,8 @@ def direct_probe(device: str) -> Callable[[torch.Tensor, bool], Callable[[], Non
     """Our kernel called directly, in strict form, for the probe-alone rows. The only
     code here that knows `probe`'s internals (record, shadow, launch's signature):
     everything else goes through the public API."""
-    from sglang_oobguard import kernels as probe, shadow
-    from sglang_oobguard.record import PoolRecord
+    from sglang_oobguard.probes import kernels as probe, shadow
+    from sglang_oobguard.probes.record import PoolRecord
 
     record = PoolRecord(torch.device(device)).tensor
     scratch = torch.tensor(probe.SCRATCH_INIT, dtype=torch.int64, device=device)
@@ -175,7 +175,7 @@ def probe_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
 def split_rows(clock: Clock, device: str, dry: bool) -> list[dict]:
     """Large prefill chunks: the probe as one program walking every id, against the
     split over several programs that fold with atomics (probe.SPLIT_ABOVE), in a graph."""
-    from sglang_oobguard import kernels as probe
+    from sglang_oobguard.probes import kernels as probe
 
     make = direct_probe(device)
     rows = []

@@ -22,7 +22,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import sglang_oobguard
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang_oobguard import hostscan as probe
+    from sglang_oobguard.probes import hostscan as probe
 
     pool = MHATokenToKVPool(8192, 1, torch.bfloat16, 8, 128, 1, "cpu", False)
     loc = torch.randperm(8192)[:256] + 1

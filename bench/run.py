@@ -66,7 +66,7 @@ def write_rows(quick: bool) -> list[dict]:
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.utils.async_probe import maybe_detect_oob
-    from sglang_oobguard import hostscan as probe
+    from sglang_oobguard.probes import hostscan as probe
 
     pool = MHATokenToKVPool(SIZE, PAGE, torch.bfloat16, HEADS, DIM, 1, "cpu", False)
 
@@ -130,7 +130,7 @@ def step_rows(quick: bool) -> list[dict]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang_oobguard import hostscan as probe
+    from sglang_oobguard.probes import hostscan as probe
 
     rows = []
     for layers in (1, 80):
@@ -199,7 +199,7 @@ print(json.dumps({{"import_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3, "mo
 IDENTITY_PROBE = """
 import json
 from sglang.srt.mem_cache import memory_pool as mp
-from sglang_oobguard.discover import coverage
+from sglang_oobguard.model.discover import coverage
 before = {(e.owner, e.method): e.owner.__dict__[e.method] for e in coverage()}
 from sglang.srt.plugins import load_plugins
 load_plugins()

@@ -9,7 +9,8 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.par
 import torch
 from test_writemap import model_runner, forward_batch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang_oobguard import hostmap, hostscan, shadow, writemap
+from sglang_oobguard.probes import hostmap, hostscan, shadow
+from sglang_oobguard.model import writemap
 
 def case(n, family):
     rows = min(n, 4096) if family == "decode" else 8

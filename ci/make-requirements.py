@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write ci/requirements-sglang-VERSION.txt for sglang releases that have none, from each
+"""Write ci/requirements/sglang-VERSION.txt for sglang releases that have none, from each
 release's own pins (run once per new release; ci/sweep.sh runs it for a release it lacks).
 
 sglang itself is installed with --no-deps (its GPU wheels cannot install on a CPU
@@ -27,7 +27,7 @@ from pathlib import Path
 CI = Path(__file__).resolve().parent
 FIRST = (0, 4, 10)
 # What importing sglang.srt.mem_cache.memory_pool (and set_kv_buffer's imports) needs on
-# the CPU, as measured on the matrix's releases (ci/requirements-sglang-*.txt).
+# the CPU, as measured on the matrix's releases (ci/requirements/sglang-*.txt).
 IMPORTS = ["numpy", "tqdm", "requests", "aiohttp", "IPython", "pybase64", "psutil", "pillow", "pydantic",
            "pyzmq", "starlette", "packaging", "orjson", "msgspec", "transformers", "tokenizers",
            "huggingface_hub", "sentencepiece", "compressed-tensors", "openai", "soundfile", "dill", "gguf",
@@ -93,7 +93,7 @@ def render(version: str, lines: list[str]) -> str:
     out = [f"# The real sglang {version} on a CPU machine: sglang itself is installed with --no-deps",
            "# (its GPU wheels cannot install here); these are the other imports it needs, pinned to what",
            f"# sglang {version} pins where it pins them (its METADATA Requires-Dist). Written by",
-           "# ci/make-requirements.py; torch: ci/requirements-torch.txt (one copy shared by every release).",
+           "# ci/make-requirements.py; torch: ci/requirements/torch.txt (one copy shared by every release).",
            "# Only the pool-level suite runs on this release (ci/sweep.sh), so no engine extras."]
     for name in IMPORTS + [n for n in IF_NAMED if key(n) in stated]:
         spec = stated.get(key(name), "")
@@ -117,7 +117,7 @@ def main() -> int:
     versions = releases() if args.all else args.versions
     with tempfile.TemporaryDirectory() as tmp:
         for version in versions:
-            target = CI / f"requirements-sglang-{version}.txt"
+            target = CI / "requirements" / f"sglang-{version}.txt"
             if target.exists() and not args.force:
                 print(f"{target.name}: kept")
                 continue

@@ -11,8 +11,8 @@ version="${1:-0.5.23}"
 if [[ "$version" == 0.5.23 ]]; then default="$root/.venv"; else default="$root/.venv-sglang-$version"; fi
 venv="${OOBGUARD_VENV:-$default}"
 torch_dir="$root/.venv-torch"
-torch_reqs="$root/ci/requirements-torch.txt"
-reqs="$root/ci/requirements-sglang-$version.txt"
+torch_reqs="$root/ci/requirements/torch.txt"
+reqs="$root/ci/requirements/sglang-$version.txt"
 export PIP_NO_CACHE_DIR=1  # every wheel is installed once; a cache would only hold a second copy
 stamp() { cat "$@" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1; }
 

@@ -3,7 +3,7 @@
 # from 0.4.10 to the newest on the registry (post releases included, pre-releases not), or
 # for the releases given as arguments, in that order:
 #   - its venv, by the existing mechanism (ci/setup-env.sh: the shared .venv-torch, a
-#     temporary OOBGUARD_VENV deleted after the row), from ci/requirements-sglang-VERSION.txt
+#     temporary OOBGUARD_VENV deleted after the row), from ci/requirements/sglang-VERSION.txt
 #     (written first by ci/make-requirements.py from the release's own pins if missing);
 #   - the import of sglang.srt.mem_cache.memory_pool, alone and with the test-only
 #     stand-ins on PYTHONPATH (sgl_kernel has no CPU build);
@@ -28,7 +28,7 @@ if [[ $# -gt 0 ]]; then versions=("$@"); else mapfile -t versions < <(python3 ci
 
 build() {  # build VERSION's venv in $work/VERSION; its log in $logs/VERSION.setup.log; rc in .setup.rc
   local version="$1"
-  [[ -f "ci/requirements-sglang-$version.txt" ]] || nice -n 19 python3 ci/make-requirements.py "$version"
+  [[ -f "ci/requirements/sglang-$version.txt" ]] || nice -n 19 python3 ci/make-requirements.py "$version"
   OOBGUARD_VENV="$work/$version" nice -n 19 bash ci/setup-env.sh "$version" > "$logs/$version.setup.log" 2>&1
   echo $? > "$logs/$version.setup.rc"
 }
@@ -78,7 +78,7 @@ HEADER = """# sglang releases: what the guard does on each
 
 Written by `ci/sweep.sh` (`bash ci/sweep.sh VERSION...` tries releases and rewrites their
 rows; with no argument, every release from 0.4.10 on the registry). Each release: its own
-venv from `ci/requirements-sglang-VERSION.txt` (its own pins, by `ci/make-requirements.py`),
+venv from `ci/requirements/sglang-VERSION.txt` (its own pins, by `ci/make-requirements.py`),
 sglang installed with `--no-deps`, torch 2.14.1 shared. *memory_pool import*: `import
 sglang.srt.mem_cache.memory_pool` alone, and with the test-only stand-ins (`tests/standins`:
 `sgl_kernel` has no CPU build) where alone fails. *doctor*: `python -m sglang_oobguard doctor`

@@ -11,8 +11,9 @@ from importlib import import_module
 __all__ = ["install", "uninstall", "is_installed", "check", "violations",
            "KVOutOfBoundsError", "ConfigError", "Violation"]
 
-_LAZY = {name: ".instrument" for name in ("install", "uninstall", "is_installed", "check", "violations")}
-_LAZY.update(KVOutOfBoundsError=".report", Violation=".violation", ConfigError=".config")
+_LAZY = {name: ".activate.instrument" for name in ("install", "uninstall", "is_installed", "check", "violations")}
+_LAZY.update(KVOutOfBoundsError=".report.reporter", Violation=".model.violation",
+             ConfigError=".model.config")
 
 
 def __getattr__(name: str):

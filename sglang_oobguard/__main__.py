@@ -18,14 +18,14 @@ def main(argv: list[str] | None = None) -> int:
     report_cmd.add_argument("--json", action="store_true", help="the same summary as JSON")
     args = parser.parse_args(argv)
     if args.command == "report":
-        from . import summary
+        from .report import summary
 
         return summary.run(args.folder, args.json)
     if args.command == "demo":
         from . import demo
 
         return demo.run_engine_story() if args.engine else demo.run()
-    from .doctor import run
+    from .activate.doctor import run
 
     return run()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from .targets import MEMORY_POOL
+from .model.targets import MEMORY_POOL
 
 
 def arm() -> None:
@@ -25,7 +25,7 @@ def arm() -> None:
 def _on_import(module: ModuleType) -> None:
     """Never breaks sglang's import: an invalid configuration is logged (by load) and
     leaves the guard off, loudly."""
-    from .config import ConfigError
+    from .model.config import ConfigError
     from .plugin import load
 
     try:

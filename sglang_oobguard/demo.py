@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from . import instrument
-from .config import LIVENESS_VAR
-from .discover import Found
-from .quiet import Captured, quiet
-from .log import logger
-from .report import KVOutOfBoundsError
+from .activate import instrument
+from .model.config import LIVENESS_VAR
+from .model.discover import Found
+from .model.log import logger
+from .model.quiet import Captured, quiet
+from .report.reporter import KVOutOfBoundsError
 
 SIZE, PAGE = 64, 1
 HIGH = SIZE + PAGE

@@ -18,7 +18,7 @@ TRIGGERS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBG
 def load() -> None:
     if not any(os.environ.get(name) for name in TRIGGERS):
         return
-    from . import config
+    from .model import config
 
     try:
         settings = config.from_env()
@@ -29,6 +29,6 @@ def load() -> None:
         logging.getLogger("sglang_oobguard").error("%s", exc)
         raise
     if settings.active:
-        from .instrument import install
+        from .activate.instrument import install
 
         install(settings.mode.value)

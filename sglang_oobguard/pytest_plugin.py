@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import pytest
 
 if TYPE_CHECKING:
-    from .summary import Summary
+    from .report.summary import Summary
 
 MODES = ("strict", "raise", "warn")
 
@@ -47,8 +47,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _report_folder(given: Optional[str]) -> str:
-    from .reportfile import PREFIX, SUFFIX
-    from .summary import plural
+    from .report.files import PREFIX, SUFFIX
+    from .report.summary import plural
 
     if given is None:
         return tempfile.mkdtemp(prefix="oobguard-report-")
@@ -70,7 +70,7 @@ class GuardedSession:
     and, after the tests, the folder's summary."""
 
     def __init__(self, mode: str, folder: str) -> None:
-        from . import config as config_mod
+        from .model import config as config_mod
 
         self.folder = folder
         self.summary: Optional[Summary] = None
@@ -87,8 +87,8 @@ class GuardedSession:
         arm()  # this process: the guard installs when sglang's memory_pool is imported (now, if it is)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        from . import summary
-        from .report import KVOutOfBoundsError
+        from .report import summary
+        from .report.reporter import KVOutOfBoundsError
 
         if session.config.option.collectonly:
             return
@@ -106,7 +106,7 @@ class GuardedSession:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.summary is None:
             return
-        from .summary import render
+        from .report.summary import render
 
         terminalreporter.write_sep("=", "sglang-oobguard")
         for line in render(self.summary).splitlines():
@@ -130,4 +130,4 @@ class GuardedSession:
 def _guard_imported() -> bool:
     """Whether the guard's install machinery was ever loaded in this process (only
     then can it hold anything to check or uninstall)."""
-    return "sglang_oobguard.instrument" in sys.modules
+    return "sglang_oobguard.activate.instrument" in sys.modules

@@ -2,7 +2,7 @@
 
 A TEST DOUBLE OF THE DEVICE'S *TIMING* ONLY, not of the pools: the real sglang pool
 and allocator classes stay real, and their own tensor ops run at once as always. What
-is modelled is what the guard enqueues through `sglang_oobguard.device`:
+is modelled is what the guard enqueues through `sglang_oobguard.probes.device`:
 
 - Streams are queues of ops (closures). Ops run only when the model advances: the test
   calls `run()` / `synchronize()`, or `host_step()` at a step boundary, which runs the
@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from sglang_oobguard import device
+from sglang_oobguard.probes import device
 
 
 class GraphError(AssertionError):
@@ -283,7 +283,7 @@ class Model:
     def pending(self) -> int:
         return sum(len(s.queue) for s in self.streams)
 
-    # -- the Backend protocol (sglang_oobguard.device) ------------------------------
+    # -- the Backend protocol (sglang_oobguard.probes.device) ------------------------------
     def is_gpu(self, where: Any) -> bool:
         return True
 
@@ -317,7 +317,7 @@ class Model:
 
     def enqueue(self, fn: Callable[..., Any], *args: Any) -> None:
         label = getattr(fn, "__name__", None) or type(fn).__name__
-        if args and getattr(fn, "__module__", "") == "sglang_oobguard.kernels" and label == "_launch":
+        if args and getattr(fn, "__module__", "") == "sglang_oobguard.probes.kernels" and label == "_launch":
             label = f"launch {getattr(args[0], '__name__', args[0])}"
             self.counts["launches"] += 1
         if self.capture is not None:

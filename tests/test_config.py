@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_oobguard.config import Backend, ConfigError, Mode, from_env
+from sglang_oobguard.model.config import Backend, ConfigError, Mode, from_env
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "Yes", "y"])

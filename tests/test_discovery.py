@@ -19,10 +19,11 @@ import torch
 
 import sglang_oobguard
 from helpers import SGLANG, Layer, mha, needs
-from sglang_oobguard import KVOutOfBoundsError, kernels
-from sglang_oobguard.discover import Found, Skipped, import_pool_modules
-from sglang_oobguard.discover import coverage
-from sglang_oobguard.violation import site_label
+from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.probes import kernels
+from sglang_oobguard.model.discover import Found, Skipped, import_pool_modules
+from sglang_oobguard.model.discover import coverage
+from sglang_oobguard.model.violation import site_label
 
 import_pool_modules()  # every pool module that imports here, so that discovery sees every class
 ENTRIES = coverage()

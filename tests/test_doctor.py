@@ -14,9 +14,9 @@ DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main([
 # What the doctor's own discovery should list, from the same walk in a second interpreter.
 EXPECTED = """
 import json
-from sglang_oobguard.discover import Found, import_pool_modules
-from sglang_oobguard.discover import coverage
-from sglang_oobguard.violation import site_label
+from sglang_oobguard.model.discover import Found, import_pool_modules
+from sglang_oobguard.model.discover import coverage
+from sglang_oobguard.model.violation import site_label
 import_pool_modules()
 rows = []
 for e in coverage():

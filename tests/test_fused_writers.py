@@ -17,7 +17,7 @@ import torch
 
 import sglang_oobguard
 from sglang_oobguard import KVOutOfBoundsError
-from sglang_oobguard.targets import FUSED_WRITERS, Writer
+from sglang_oobguard.model.targets import FUSED_WRITERS, Writer
 
 ROWS = 5
 PER_ROW = {"page_size": 64, "dcp_world_size": 2}  # what the bound multiplies the rows by

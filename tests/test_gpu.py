@@ -280,7 +280,7 @@ def test_each_captured_graph_holds_one_probe_after_sglangs_eager_warm_up(mp, gua
     """sglang's capture: per batch size, eager runs with the same buffers, then the
     capture. The eager runs (outside any forward step) probe every write; each capture
     holds exactly one probe for its L layers, and that probe re-checks at every replay."""
-    from sglang_oobguard import kernels
+    from sglang_oobguard.probes import kernels
 
     layers = 8
     guard("raise", poll_every=1000)

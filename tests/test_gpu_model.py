@@ -19,7 +19,9 @@ import torch
 import sglang_oobguard
 from devmodel import GraphError, Model
 from helpers import SHIM, Layer, decode_batch, mha, run_python, token_allocator
-from sglang_oobguard import KVOutOfBoundsError, flush, record
+from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.checks import flush
+from sglang_oobguard.probes import record
 
 LAYERS, HIGH = 4, 65
 
@@ -117,7 +119,7 @@ def test_a_lag_beyond_the_ring_still_reports_within_the_bound(mp, guard, runner)
             model.synchronize()  # the last phase's copies land and are read: a fresh record
             state.record.poll(restart=False)
             state.record.reported = 0
-            sglang_oobguard.instrument._active.guard.reporter.latest.clear()
+            sglang_oobguard.activate.instrument._active.guard.reporter.latest.clear()
             state.record.tensor.zero_()
             for step in range(bad):  # clean steps up to the bad one
                 run.forward(decode_batch(torch.tensor([1, 2, 3])))
@@ -137,7 +139,7 @@ def test_idle_flush_reports_the_last_steps_violation(mp, guard, runner):
         for step in range(3):
             run.forward(decode_batch(torch.tensor([1, 2, HIGH + 1 if step == 2 else 3])))
             model.host_step()
-        guard_obj = sglang_oobguard.instrument._active.guard
+        guard_obj = sglang_oobguard.activate.instrument._active.guard
         seen: dict = {}
         flush.idle_tick(guard_obj, seen)  # first look: steps ran since the last
         assert sglang_oobguard.violations() == []
@@ -208,7 +210,7 @@ def capture_write(model, pool, loc, k, layer=0):
 
 def test_the_model_graph_catches_a_freed_buffer():
     """The model's own check: a captured op's buffer freed, or resized, fails the replay."""
-    from sglang_oobguard import device
+    from sglang_oobguard.probes import device
 
     with Model() as model:
         buf = torch.zeros(4)
@@ -229,7 +231,7 @@ def test_the_model_graph_catches_a_freed_buffer():
 def test_the_model_orders_streams_by_waits_and_events_only():
     """The model itself: an unordered other stream runs first; a wait orders it; an
     event completes when the device reaches it; a mirror read early shows old contents."""
-    from sglang_oobguard import device
+    from sglang_oobguard.probes import device
 
     with Model(lag=1) as model:
         a, b = model.new_stream("a"), model.new_stream("b")
@@ -359,7 +361,7 @@ def test_without_the_guards_wait_the_model_shows_the_false_report(mp, guard, run
     """The control: the same run with the guard's stream wait removed reports a freed
     slot that was live when its write was enqueued. So the test above is not vacuous."""
     from sglang.srt.mem_cache import allocator
-    from sglang_oobguard import device
+    from sglang_oobguard.probes import device
 
     with Model(lag=1) as model:
         guard("warn", liveness=True)
@@ -629,7 +631,7 @@ def test_the_read_back_and_ordering_source_calls_no_host_read():
     import inspect
     import textwrap
 
-    from sglang_oobguard import device
+    from sglang_oobguard.probes import device
 
     hot = [record.PoolRecord.poll, record.PoolRecord._consume, record.PoolRecord.start_copy, record.PoolRecord._start,
            record._Slot.landed, device.Order.probed, device.Order.after]
@@ -646,7 +648,7 @@ def test_the_read_back_and_ordering_source_calls_no_host_read():
 def test_the_real_backend_asks_for_a_stream_with_an_index(monkeypatch):
     """device.Cuda: a pool's device may be torch.device("cuda") with no index (sglang
     passes "cuda"); the raw stream read takes an int (checked with the runtime mocked)."""
-    from sglang_oobguard import device
+    from sglang_oobguard.probes import device
 
     asked = []
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: asked.append(index) or 1234)

@@ -1,4 +1,5 @@
-"""The package's shape, checked: no import cycle, small rooms, each named by its job.
+"""The package's shape, checked: layers that import only downward, no import cycle, small rooms,
+each named by its job.
 
 Every import of a package module by another counts, including those inside
 functions: a cycle hidden by a lazy import is still a cycle.
@@ -7,27 +8,61 @@ functions: a cycle hidden by a lazy import is still a cycle.
 from __future__ import annotations
 
 import ast
+from pathlib import Path
+
 from helpers import ROOT
 
 PACKAGE = ROOT / "sglang_oobguard"
 NAME = PACKAGE.name
+# The layers, lowest first: each may import its own and those below it, never one above.
+LAYERS = ("model", "report", "probes", "checks", "activate")
+# The package's root holds its doors only, above every layer: the API, the command line,
+# the entry points (sglang's plugin, the .pth hook, pytest's) and the demo.
+DOORS = {"__init__", "__main__", "plugin", "autoload", "pytest_plugin", "demo"}
+
+
+def modules() -> dict[str, Path]:
+    """'layer.module' (or 'module' at the root) -> its file; a layer's __init__ is 'layer'."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)] = path
+    return found
 
 
 def imports() -> dict[str, set[str]]:
-    """module -> the package modules it imports (relative or absolute, at any depth)."""
+    """module -> the package modules it imports (relative or absolute, at any depth,
+    inside functions too: a cycle hidden by a lazy import is still a cycle)."""
+    known = modules()
     graph: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*.py"):
+    for name, path in known.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         found: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                module = node.module or ""
-                if node.level == 1 or module.startswith(NAME):
-                    base = module.removeprefix(NAME).lstrip(".").split(".")[0]
-                    found |= {base} if base else {alias.name for alias in node.names}
+                if node.level:
+                    base = package[:len(package) - node.level + 1]
+                    target = [*base, *(node.module.split(".") if node.module else [])]
+                elif (node.module or "").split(".")[0] == NAME:
+                    target = node.module.split(".")[1:]
+                else:
+                    continue
+                for alias in node.names:  # `from .layer import module` names a module
+                    full = ".".join([*target, alias.name])
+                    found.add(full if full in known else ".".join(target))
             elif isinstance(node, ast.Import):
-                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith(NAME + ".")}
-        graph[path.stem] = found & {p.stem for p in PACKAGE.glob("*.py")}
+                found |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith(NAME + ".")}
+        graph[name] = {m for m in found if m in known and m != name}
     return graph
+
+
+def rank(module: str) -> int:
+    top = module.split(".")[0]
+    return LAYERS.index(top) if top in LAYERS else len(LAYERS)
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if rank(b) > rank(a))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -35,7 +70,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
     def visit(module: str, stack: list[str]) -> None:
         state[module] = "open"
-        for other in sorted(graph[module]):
+        for other in sorted(graph.get(module, ())):
             if state.get(other) == "open":
                 found.append(stack[stack.index(other):] + [other])
             elif other not in state:
@@ -50,7 +85,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = imports()
-    assert graph["instrument"] >= {"guard", "writes", "stepcheck", "liveness"}  # the walk sees real edges
+    assert graph["activate.instrument"] >= {"checks.guard", "checks.writes", "checks.stepcheck", "checks.liveness"}
+    assert "probes.device" in graph["checks.writes"]  # `from ..probes import device` is seen
     assert cycles(graph) == []
 
 
@@ -58,16 +94,32 @@ def test_the_cycle_finder_finds_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
 
 
-def test_no_file_is_over_350_lines_and_the_guard_class_is_small():
-    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.glob("*.py")}
+def test_no_layer_imports_a_higher_one():
+    assert upward(imports()) == []
+
+
+def test_the_layer_rule_sees_an_upward_import():
+    assert upward({"probes.kernels": {"checks.guard", "model.violation"}, "report.files": {"probes.record"}}) \
+        == ["probes.kernels -> checks.guard", "report.files -> probes.record"]
+
+
+def test_every_module_lives_in_a_layer_or_is_a_door():
+    rooms = {name.split(".")[0] for name in modules()}
+    assert rooms == set(LAYERS) | DOORS
+
+
+def test_no_file_is_over_350_lines_and_no_class_over_120():
+    sizes = {path.name: len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > 350} == {}
-    tree = ast.parse((PACKAGE / "guard.py").read_text())
-    (guard,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Guard"]
-    assert guard.end_lineno - guard.lineno + 1 < 120
+    classes = {f"{path.stem}.{node.name}": node.end_lineno - node.lineno + 1
+               for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef)}
+    assert "Guard" in {name.split(".")[1] for name in classes}
+    assert {name: n for name, n in classes.items() if n > 120} == {}
 
 
 def test_every_module_says_its_job_in_its_first_docstring_line():
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc and doc.splitlines()[0].strip(), path.name
 
@@ -91,6 +143,6 @@ def test_pyflakes_finds_no_undefined_or_unused_name():
             self.messages.append(f"{filename}: {message}")
 
     found = Collect()
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         checkPath(str(path), found)
     assert found.messages == []

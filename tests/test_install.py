@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import sglang_oobguard
-from sglang_oobguard.config import ConfigError
-from sglang_oobguard.discover import Found
-from sglang_oobguard.discover import coverage
+from sglang_oobguard.model.config import ConfigError
+from sglang_oobguard.model.discover import Found
+from sglang_oobguard.model.discover import coverage
 from helpers import mha
 
 
@@ -82,7 +82,7 @@ def test_coverage_guards_the_six_upstream_sites_and_inherits_nothing(mp):
 def test_a_pool_gets_its_state_when_built_not_on_its_first_write(mp, guard):
     """The record, copy buffer and (on a GPU) the warm-up compiles exist before serving
     or graph capture: made by KVCache's constructor, or by install() over a pool built before."""
-    from sglang_oobguard.pools import STATE_ATTR
+    from sglang_oobguard.probes.pools import STATE_ATTR
 
     before = mha(mp)
     guard("raise")

@@ -17,10 +17,10 @@ COMPILE = """
 import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sglang_oobguard import kernels
-from sglang_oobguard.config import Config, Mode
-from sglang_oobguard.guard import Guard
-from sglang_oobguard.violation import site_id
+from sglang_oobguard.probes import kernels
+from sglang_oobguard.model.config import Config, Mode
+from sglang_oobguard.checks.guard import Guard
+from sglang_oobguard.model.violation import site_id
 
 guard = Guard(Config(mode=Mode.STRICT, liveness=True))
 longest = "set_unified_key_buffer_radix_fused_norm_rope (DeepSeekV4TokenToKVPool)"  # the longest label seen

@@ -13,7 +13,7 @@ import torch
 import sglang_oobguard
 from helpers import SGLANG, Layer, as_write_loc, mha, needs, needs_site, paged_allocator, site_cases, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
-from sglang_oobguard.targets import version_of_sglang
+from sglang_oobguard.model.targets import version_of_sglang
 
 SIZE = 64
 
@@ -199,7 +199,7 @@ def test_off_wraps_no_allocator_and_uninstall_restores_them(mp, allocators, guar
 
 
 def test_untracked_allocators_are_named(mp, allocators, guard, caplog):
-    from sglang_oobguard.discover import pool_classes
+    from sglang_oobguard.model.discover import pool_classes
 
     others = {cls.__name__ for cls in pool_classes(allocators.BaseTokenToKVPoolAllocator)[1:]}
     others -= {"TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator"}

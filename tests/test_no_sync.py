@@ -19,8 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sglang_oobguard
 from helpers import Layer, mha, token_allocator
-from sglang_oobguard import guard as guard_mod
-from sglang_oobguard import device, hostscan, kernels, liveness, pools, record, shadow, stepcheck, writes
+from sglang_oobguard.checks import guard as guard_mod
+from sglang_oobguard.probes import device, hostscan, kernels, pools, record, shadow
+from sglang_oobguard.checks import liveness, stepcheck, writes
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",

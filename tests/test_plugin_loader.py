@@ -22,7 +22,7 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.mem_cache import memory_pool as mp
 fn = mp.MHATokenToKVPool.__dict__["set_kv_buffer"]
-import sglang_oobguard.instrument as p
+import sglang_oobguard.activate.instrument as p
 print(json.dumps({"wrapped": hasattr(fn, "__wrapped__"),
                   "mode": p._active.guard.config.mode.value if p._active else None}))
 """
@@ -51,7 +51,8 @@ def test_off_imports_nothing_and_patches_nothing():
 
 
 def test_the_entry_points_triggers_are_configs_activating_variables():
-    from sglang_oobguard import config, plugin
+    from sglang_oobguard.model import config
+    from sglang_oobguard import plugin
 
     assert plugin.TRIGGERS == (config.ENABLE_VAR, config.INVARIANT_VAR, config.MODE_VAR, config.LIVENESS_VAR)
 

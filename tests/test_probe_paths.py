@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_oobguard import hostscan, kernels
-from sglang_oobguard.record import Record, fold_host
+from sglang_oobguard.probes import hostscan, kernels
+from sglang_oobguard.probes.record import Record, fold_host
 
 
 STEP = 5  # the step counter the kernel reads and the host folds in

@@ -89,7 +89,11 @@ def test_the_wheel_ships_it_at_the_root_with_the_license_and_both_entry_points(t
     (wheel,) = tmp_path.glob("sglang_oobguard-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read("sglang_oobguard.pth").decode() == PTH.read_text()
-        assert "sglang_oobguard/autoload.py" in archive.namelist()
+        shipped = set(archive.namelist())
+        assert "sglang_oobguard/autoload.py" in shipped
+        # every module of every layer ships: the wheel is the package, not only its root
+        package = ROOT / "sglang_oobguard"
+        assert {f"sglang_oobguard/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")} <= shipped
         info = next(name.split("/")[0] for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
         assert archive.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
         metadata = archive.read(f"{info}/METADATA").decode()
@@ -104,8 +108,8 @@ LATE = """
 import json, site
 site.addsitedir({site_dir!r})
 from sglang.srt.mem_cache import memory_pool  # the hook installs here
-from sglang_oobguard.discover import Found, import_pool_modules
-from sglang_oobguard.discover import coverage
+from sglang_oobguard.model.discover import Found, import_pool_modules
+from sglang_oobguard.model.discover import coverage
 import_pool_modules()  # pool modules sglang loads later: SWA, DSA layer-split, HiSparse, ...
 found = [e for e in coverage() if isinstance(e, Found)]
 once = [e.qualname for e in found if hasattr(e.owner.__dict__[e.method], "__wrapped__")

@@ -32,7 +32,7 @@ def rows() -> dict[str, list[str]]:
 def swept_releases() -> list[str]:
     """The sweep's releases: one requirements file each (ci/make-requirements.py writes
     one for every release from 0.4.10 on the registry; ci/sweep.sh builds from it)."""
-    names = [p.name[len("requirements-sglang-"):-len(".txt")] for p in (ROOT / "ci").glob("requirements-sglang-*.txt")]
+    names = [p.name[len("sglang-"):-len(".txt")] for p in (ROOT / "ci" / "requirements").glob("sglang-*.txt")]
     return sorted(names, key=key)
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from helpers import GUARDED_WRITE, ROOT, SGLANG, run_python
-from sglang_oobguard.violation import Violation
+from sglang_oobguard.model.violation import Violation
 
 VIOLATION_FIELDS = {f.name for f in dataclasses.fields(Violation)}
 

@@ -8,7 +8,7 @@ import torch
 import sglang_oobguard
 from helpers import Layer, as_write_loc, needs, needs_site, sglang_can_write, site_cases
 from sglang_oobguard import KVOutOfBoundsError
-from sglang_oobguard.violation import site_label
+from sglang_oobguard.model.violation import site_label
 
 LABELS = list(site_cases(None))
 HIGH = 65

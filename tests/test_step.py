@@ -11,7 +11,8 @@ import torch
 
 import sglang_oobguard
 from helpers import Layer, mha
-from sglang_oobguard import KVOutOfBoundsError, hostscan, kernels
+from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.probes import hostscan, kernels
 
 LAYERS, HIGH = 4, 65
 

@@ -1,4 +1,4 @@
-"""The step kernel (sglang_oobguard.stepkernel) compiled for a real GPU target (sm_90)
+"""The step kernel (sglang_oobguard.probes.stepkernel) compiled for a real GPU target (sm_90)
 with Triton's own compiler, which needs no GPU: the interpreter (the other tests) skips
 codegen, so only this shows every family's variant builds for CUDA (vector atomic_cas
 on the owner table, int64 atomic_max stamps), that strict carries its device assert and
@@ -16,8 +16,8 @@ COMPILE = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sglang_oobguard import stepkernel
-from sglang_oobguard.writemap import FAMILIES
+from sglang_oobguard.probes import stepkernel
+from sglang_oobguard.model.writemap import FAMILIES
 
 SIGNATURE = {
     "ids_ptr": "*i64", "ids_stride": "i64", "virt_ptr": "*i64", "virt_stride": "i64", "n": "i32",

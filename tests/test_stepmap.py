@@ -13,7 +13,7 @@ import torch
 import sglang_oobguard
 from helpers import Layer, as_write_loc, mha, model_runner_class
 from sglang_oobguard import KVOutOfBoundsError
-from sglang_oobguard.targets import write_map_off
+from sglang_oobguard.model.targets import write_map_off
 
 pytestmark = pytest.mark.skipif(write_map_off() is not None, reason=str(write_map_off()))
 
@@ -122,8 +122,8 @@ def test_owner_check_catches_a_twin_the_tables_agree_on(mp, guard, runner):
     guard("strict", liveness=True)
     pool = mha(mp)
     run, seen = runner(pool)
-    from sglang_oobguard import shadow
-    from sglang_oobguard.pools import STATE_ATTR
+    from sglang_oobguard.probes import shadow
+    from sglang_oobguard.probes.pools import STATE_ATTR
 
     state = pool.__dict__[STATE_ATTR]
     state.live = shadow.new_live(HIGH, 1, torch.device("cpu"))

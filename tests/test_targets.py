@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_oobguard.targets import CONTRACT, DCP_TOKEN_SLOTS, OWN, TOKEN_SLOTS, WRITE_METHOD, is_supported, label_for, rule_for
+from sglang_oobguard.model.targets import CONTRACT, DCP_TOKEN_SLOTS, OWN, TOKEN_SLOTS, WRITE_METHOD, is_supported, label_for, rule_for
 
 
 @pytest.mark.parametrize("name", ["set_kv_buffer", "set_mla_kv_buffer", "move_kv_cache", "set_kv_buffer_prefix_valid",
@@ -44,7 +44,7 @@ def test_declared_support(version, ok):
 
 def test_unsupported_version_still_installs_and_says_so(mp, monkeypatch, caplog):
     import sglang_oobguard
-    from sglang_oobguard import instrument as patch
+    from sglang_oobguard.activate import instrument as patch
 
     monkeypatch.setattr(patch, "version_of_sglang", lambda: "0.9.0")
     caplog.set_level("INFO", logger="sglang_oobguard")

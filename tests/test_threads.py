@@ -49,7 +49,7 @@ def test_a_write_on_another_thread_is_probed_while_one_is_in_progress(mp, guard,
 
 
 def test_each_thread_has_its_own_call_state(mp, guard):
-    import sglang_oobguard.instrument as instrument
+    import sglang_oobguard.activate.instrument as instrument
 
     guard("strict")
     calls = instrument._active.guard.calls

@@ -54,7 +54,7 @@ def test_upstream_probe_alone_kills_the_write_and_names_nothing(mp, monkeypatch)
 def test_warn_mode_is_not_overruled_by_upstreams_strict_copy(mp, monkeypatch):
     monkeypatch.setenv("SGLANG_ENABLE_ASYNC_ASSERT", "1")
     monkeypatch.setenv("SGLANG_INVARIANT_CHECK", "1")  # our mode: warn
-    from sglang_oobguard.config import Mode, from_env
+    from sglang_oobguard.model.config import Mode, from_env
 
     assert from_env().mode is Mode.WARN
     sglang_oobguard.install()

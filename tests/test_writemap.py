@@ -1,4 +1,4 @@
-"""The write map and owner check (sglang_oobguard.writemap, .stepkernel) on sglang's real
+"""The write map and owner check (sglang_oobguard.model.writemap, .stepkernel) on sglang's real
 ReqToTokenPool and ForwardBatch: the host check and the step kernel (Triton's interpreter
 here) against an oracle, for random batches of each forward mode with injected faults;
 EAGLE's draft lanes for topk > 1 against the source's own kernel; the owner lookup."""
@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from helpers import model_runner_class
-from sglang_oobguard import hostmap, owners, shadow, stepkernel, writemap
-from sglang_oobguard.record import RECORD_LEN, Kind, Record
-from sglang_oobguard.targets import write_map_off
+from sglang_oobguard.probes import hostmap, shadow, stepkernel
+from sglang_oobguard.checks import owners
+from sglang_oobguard.model import writemap
+from sglang_oobguard.probes.record import RECORD_LEN, Kind, Record
+from sglang_oobguard.model.targets import write_map_off
 
 pytestmark = pytest.mark.skipif(write_map_off() is not None, reason=str(write_map_off()))
 

@@ -34,7 +34,7 @@ its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer
 (writes), `MHATokenToKVPool.move_kv_cache` (moves) and
 `TokenToKVPoolAllocator.free` with ids (frees), the methods the guard wraps with
 liveness on (with the guard active, every call counted went through its wrapper), the
-guard's own write probes (`sglang_oobguard.hostscan.scan_host` and `kernels.launch`: probes) and
+guard's own write probes (`sglang_oobguard.probes.hostscan.scan_host` and `kernels.launch`: probes) and
 the forwards that write KV (steps).
 """
 
@@ -246,10 +246,10 @@ def load() -> None:
     wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
     wrapt.register_post_import_hook(_patch_allocator, "sglang.srt.mem_cache.allocator.token")
     if os.environ.get("OOBGUARD_COUNT"):
-        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.hostscan")
-        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.kernels")
+        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probes.hostscan")
+        wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probes.kernels")
         # the step's write-map check probes out_cache_loc instead of scan_host / launch
         wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "check_host", _counter("probes")),
-                                        "sglang_oobguard.hostmap")
+                                        "sglang_oobguard.probes.hostmap")
         wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "launch", _counter("probes")),
-                                        "sglang_oobguard.stepkernel")
+                                        "sglang_oobguard.probes.stepkernel")

@@ -1,0 +1,168 @@
+"""`python -m sglang_oobguard doctor`: what the guard would do in this environment."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import site
+import sys
+from importlib.metadata import entry_points
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from ..model import config
+from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
+from ..model.quiet import quiet
+from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, is_supported,
+                             module_file, version_of_sglang, write_map_off)
+from ..model.violation import site_label
+
+
+def run() -> int:
+    """Prints the report; exits non-zero on an invalid configuration, or where the
+    guard's dependencies are missing (one line naming what is missing)."""
+    try:
+        settings = config.from_env()
+    except config.ConfigError as exc:
+        print(exc)
+        return 2
+    try:
+        with quiet():  # sglang's import-time warnings and logs would land in the middle of the report
+            unimported, entries, allocators = _inspect()
+            outside = _outside_pools()
+    except ModuleNotFoundError as exc:
+        print(f"sglang_oobguard doctor: {exc.name} is not installed for {sys.executable}; the guard runs inside "
+              "sglang and needs its torch: run doctor with the python that runs sglang")
+        return 2
+    except _PoolsUnimportable as exc:
+        print(exc)
+        return 2
+    version = version_of_sglang()
+    low, high = (".".join(map(str, v)) for v in SUPPORTED)
+    support = "supported" if is_supported(version) else f"OUTSIDE {low}..{high}: guards that fit only"
+    print(f"sglang {version} ({support}; tested on {', '.join(TESTED)})")
+    registered = any(ep.name == "oobguard" for ep in entry_points(group="sglang.srt.plugins"))
+    loader = find_spec("sglang.srt.plugins") is not None
+    pth = any((Path(d) / "sglang_oobguard.pth").exists() for d in site.getsitepackages())
+    print(f"activation: entry point sglang.srt.plugins:oobguard "
+          f"{'registered' if registered else 'NOT registered'}, sglang's plugin loader "
+          f"{'present' if loader else 'ABSENT (sglang < 0.5.11)'}; .pth import hook "
+          f"{'installed' if pth else 'not installed (an editable install places none)'}")
+    if not loader and not pth:
+        print("  -> nothing activates the guard in sglang's processes: pip install the package (not -e)")
+    state = "active" if settings.active else f"inactive; set {config.ENABLE_VAR}=1 to enable"
+    print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value} "
+          f"({config.BACKEND_PATHS[settings.backend]}); "
+          f"liveness: {'on' if settings.liveness else f'off (set {config.LIVENESS_VAR}=1 to check it)'}")
+    _print_report_dir(settings)
+    if isinstance(entries, str):
+        print(f"guarded: nothing ({entries})")
+        return 0
+    found = [e for e in entries if isinstance(e, Found)]
+    print(f"guarded ({len(found)} methods, of the pool classes of every pool module that imports here; one row "
+          "per method, with the ids it checks):")
+    for entry in found:
+        checks = "; ".join(f"{site_label(number)}: {name} in [0, {ids.bound.rule})"
+                           for ids, name, number in zip(entry.rule.ids, entry.id_names, entry.sites))
+        print(f"  {entry.qualname:48} {checks}" + (", valid prefix of each row" if entry.rule.lens else ""))
+    skipped = [e for e in entries if isinstance(e, Skipped)]
+    for title, design in (("not guarded", False), ("left alone, writes nothing", True)):
+        rows = [e for e in skipped if e.by_design is design]
+        print(f"{title} ({len(rows)} methods):" if rows else f"{title}: none")
+        for row in rows:
+            print(f"  {row.qualname:48} {row.reason}")
+    _print_allocators(allocators)
+    print("\n".join(outside))
+    if unimported:
+        print("pool modules that do not import here (their classes are not listed):")
+        for module, why in unimported.items():
+            print(f"  {module}: {why[:150]}")
+    return 0
+
+
+def _outside_pools() -> list[str]:
+    """The forward-step check and the fused writers: found in this sglang or not (the
+    lines to print; their modules are imported here, inside quiet())."""
+
+    def found(module: str, owner: str, name: str) -> str:
+        if module_file(module) is None:
+            return f"ABSENT (no {module} in this sglang)"
+        try:
+            loaded = importlib.import_module(module)
+        except Exception as exc:  # a module the CPU cannot import: said, not hidden
+            return f"not importable here ({type(exc).__name__}: {str(exc)[:80]})"
+        target = getattr(loaded, owner, None) if owner else loaded
+        return f"found in {module}" if target is not None and name in vars(target) else f"ABSENT ({name} not in {module})"
+
+    lines = ["forward step (one check of out_cache_loc per step, reports at step boundaries):",
+             f"  {STEP_HOOK.owner + '.' + STEP_HOOK.method:48} "
+             f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
+             "  the write map (each token's slot is req_to_token's; no slot or row twice), the owner check with "
+             f"liveness: {'OFF, ' + write_map_off() if write_map_off() else 'on'}; not checked:",
+             *(f"    {name}: {why}" for name, why in UNMAPPED),
+             "  fused writers that take out_cache_loc themselves are reported, not contained, for ownership",
+             "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]
+    for writer in FUSED_WRITERS:
+        states = [found(module, "", writer.function) for module in writer.modules]
+        here = next((state for state in states if state.startswith("found")), states[0])
+        lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}")
+    return lines
+
+
+def _inspect() -> tuple[dict[str, str], Any, Any]:
+    """Every pool module imported, then the pool write methods and allocator methods
+    the guard would wrap. Raises ModuleNotFoundError, torch named first, where the
+    guard's dependencies are missing."""
+    importlib.import_module("torch")
+    _import_pools()
+    unimported = import_pool_modules()
+    return unimported, coverage(), allocator_targets()
+
+
+class _PoolsUnimportable(Exception):
+    """sglang's memory_pool does not import: the one line that says why and what to do."""
+
+
+def _import_pools() -> None:
+    """Import sglang's memory_pool; any exception it raises (a missing module, or a
+    TypeError in a dependency of the wrong version) becomes one line naming the cause:
+    with no pools there is nothing to guard, and doctor must not say otherwise."""
+    try:
+        importlib.import_module(MEMORY_POOL)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        cause = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        if isinstance(exc, ModuleNotFoundError) and exc.name in ("sglang", "sglang.srt"):
+            todo = f"sglang is not installed for {sys.executable}: run doctor with the python that runs sglang"
+        elif isinstance(exc, ModuleNotFoundError):
+            todo = (f"install {exc.name} into the python that runs sglang ({sys.executable}), "
+                    "or run doctor with that python")
+        else:
+            todo = ("a dependency of sglang is missing or of a version this sglang does not work with: "
+                    "install the versions this sglang release requires (pip show sglang; its Requires-Dist)")
+        raise _PoolsUnimportable(f"sglang_oobguard doctor: sglang's pools do not import here, nothing can be guarded "
+                                 f"({MEMORY_POOL}: {cause}); {todo}") from None
+
+
+def _print_report_dir(settings: config.Config) -> None:
+    folder = settings.report_dir
+    if folder is None:
+        print(f"report files: none (set {config.REPORT_DIR_VAR} to a folder for CI)")
+        return
+    existing = next((p for p in (Path(folder), *Path(folder).parents) if p.exists()), None)
+    writable = existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+    print(f"report files: {folder} ({'writable' if writable else 'NOT writable: the guard would warn once and go on'}"
+          f"; summarise with: python -m sglang_oobguard report {folder})")
+
+
+def _print_allocators(targets: Any) -> None:
+    """What the liveness guard wraps (when on), and which pools it cannot track."""
+    if isinstance(targets, str):
+        print(f"liveness tracks nothing: {targets}")
+        return
+    methods, untracked = targets
+    print(f"liveness tracks ({len(methods)} allocator methods):")
+    for target in methods:
+        print(f"  {target.qualname:48} {target.role.value}")
+    print("liveness not tracked (bound check only): " + (", ".join(untracked) or "none"))

@@ -1,0 +1,141 @@
+"""Guard: the active guard's state: its configuration, pools, steps and reporter.
+
+The code that runs around sglang's calls lives in `writes`, `stepcheck`, `writers`
+and `liveness`; each reads and reports through this object.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from ..model.config import Backend, Config, Mode
+from ..model.discover import Found
+from ..model.log import logger
+from ..model.targets import POOL_IDS
+from ..model.violation import Violation, assert_text, free_param, site_id
+from ..probes import device
+from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
+from ..probes.record import Record, fold_host
+from ..report.reporter import Reporter
+from .calls import CallState
+from .steps import Steps
+
+STEP_LABEL = "out_cache_loc (forward step)"  # the step check's site
+
+
+class Guard:
+    """The process's active guard."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.reporter = Reporter(config.warn_interval_s)
+        self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
+        self.found: list[Found] = []  # the guarded methods: what a new pool's warm-up compiles
+        self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
+        self._messages: dict[int, str] = {}  # site -> the device-side assert text
+        self._said: set[str] = set()  # log lines said once per guard
+        self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
+        self.calls = CallState()
+        self.steps = Steps()
+        self.step_site = site_id(STEP_LABEL)
+        self.bounds[self.step_site] = POOL_IDS.rule
+
+    def configure(self, config: Config) -> None:
+        """New settings for the same wrappers (a second install())."""
+        self.config = config
+        self.reporter.warn_interval_s = config.warn_interval_s
+
+    def on_host(self, ids: torch.Tensor) -> bool:
+        """The host scan serves CPU tensors (backend auto or torch), and CUDA tensors
+        only when asked (torch) and not while a CUDA graph is captured."""
+        backend = self.config.backend
+        if device.is_gpu(ids):
+            return backend is Backend.TORCH and not device.capturing()
+        return backend is not Backend.TRITON
+
+    def state(self, pool: Any, where: torch.device) -> PoolState:
+        """The pool's state: made when the pool was built, else now (a pool class whose
+        constructor skips KVCache's, or a mock)."""
+        return pool.__dict__.get(STATE_ATTR) or self.attach(pool, where)
+
+    def attach(self, pool: Any, where: torch.device) -> PoolState:
+        state = PoolState(pool, where)
+        self.mark(pool, STATE_ATTR, state)
+        self.states.add(state)
+        if device.is_gpu(where):
+            sites = pool.__dict__.get(SITES_ATTR) or {
+                site: found.rule.lens is not None for found in self.found if isinstance(pool, found.owner)
+                for site in found.sites}
+            warm_up(state, {**sites, self.step_site: False}, self.steps.counter(where),
+                    self.config.mode is Mode.STRICT, self.config.liveness, self.message)
+        return state
+
+    def mark(self, obj: Any, attr: str, value: Any) -> None:
+        """Set one of our attributes on an object of sglang's, remembered for `forget`."""
+        obj.__dict__[attr] = value
+        self._marked.append((weakref.ref(obj), attr))
+
+    def forget(self) -> None:
+        """Take our attributes off sglang's objects again (uninstall); the pool states
+        stay alive, since a captured graph may still replay their probes."""
+        device.retain((list(self.states), self.steps))
+        for ref, attr in self._marked:
+            obj = ref()
+            if obj is not None:
+                obj.__dict__.pop(attr, None)
+        self._marked.clear()
+
+    def message(self, site: int) -> str:
+        text = self._messages.get(site)
+        if text is None:
+            text = self._messages[site] = assert_text(site, self.bounds.get(site, "the pool's ids"),
+                                                      self.config.liveness)
+        return text
+
+    def report_now(self, state: PoolState, call: Record, **where: Any) -> None:
+        """A host finding: fold it into the record and publish this call (with the
+        running totals) at once; raises unless warn."""
+        fold_host(state.record.tensor, call)
+        totals = state.record.read_now()
+        self.publish(state, call._replace(total_bad=totals.total_bad, calls=totals.calls), **where)
+
+    def publish(self, state: PoolState, record: Optional[Record], **where: Any) -> None:
+        if state.record.unreported(record):
+            assert record is not None
+            fields = {} if free_param(record.site) else self.steps.where(record)
+            self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **{**fields, **where}),
+                                  fatal=self.config.mode is not Mode.WARN)
+
+    def launched(self, state: PoolState) -> None:
+        """Outside forward steps (which read every record at their boundary), look at a
+        pool's record every `poll_every` probes."""
+        if self.calls.depth:
+            return
+        state.since_poll += 1
+        if state.since_poll >= self.config.poll_every:
+            state.since_poll = 0
+            self.publish(state, state.record.poll())
+
+    def check(self) -> None:
+        """An explicit check point: read every pool's record (this may sync)."""
+        for state in list(self.states):
+            self.publish(state, state.record.read_now())
+
+    def violations(self) -> list[Violation]:
+        return list(self.reporter.latest.values())
+
+    def first_time(self, key: str) -> bool:
+        """True the first time `key` is asked for: a line said once per guard."""
+        if key in self._said:
+            return False
+        self._said.add(key)
+        return True
+
+    def internal_error(self, where: str, exc: BaseException) -> None:
+        """The guard's own bookkeeping failed: log once per place, never raise into sglang."""
+        if self.first_time(f"internal {where}"):
+            logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
+                         where, type(exc).__name__, exc)

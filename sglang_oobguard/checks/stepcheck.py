@@ -1,0 +1,97 @@
+"""Step check: the forward-step hook, and the one check of each step's slot ids.
+
+sglang runs every forward pass through `ModelRunner.forward(forward_batch, ...)` (all
+releases of the matrix). Wrapping it gives the guard a step boundary:
+
+- the deferred GPU records are read there (no sync);
+- `forward_batch.out_cache_loc` is checked once, before any layer runs (`stepmap`):
+  against the pool it targets (`targets.POOL_IDS`), sglang's own req_to_token (the
+  write map: another request's slot, a slot twice, a row twice) and, with liveness
+  on, the shadow and its owners. Whatever writer uses those ids next (a pool method,
+  a fused kernel, an attention op that writes K/V itself) is covered, and the
+  layers' probes of the same ids object in the same step are served the step's
+  result (`writes.check_write`'s memo). In raise and warn, when the step check
+  contained ids, its cleaned copy is bound to `forward_batch.out_cache_loc` for that
+  one forward and sglang's own tensor (never changed) is bound back after it: sglang
+  0.5.23 copies the batch into its runner's buffers before any layer writes, so this
+  is the one way the contained ids reach every writer of the step;
+- the step is numbered and its batch remembered (`steps`), so a report read later
+  names the request and the token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..model.targets import POOL_IDS
+from ..probes import device
+from ..report.reporter import KVOutOfBoundsError
+from . import stepmap
+from .guard import Guard
+from .writes import check_write
+
+
+def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[torch.Tensor]:
+    """A step boundary: report what landed, then check this step's out_cache_loc.
+    Returns the cleaned ids this forward must write with (raise and warn, when the
+    step check contained some), or None."""
+    capturing = device.capturing()
+    guard.calls.depth += 1  # first: step_end undoes it whatever fails below
+    guard.steps.open += 1
+    guard.steps.begin(runner, batch, capturing)
+    guard.calls.memo.clear()
+    for state in list(guard.states):  # the copy the last step's end started (step_end starts the next)
+        guard.publish(state, state.record.poll(restart=False))
+    loc = getattr(batch, "out_cache_loc", None)
+    if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
+        return None
+    high = POOL_IDS.high(pool)
+    mapped = None if capturing else stepmap.check_step(guard, runner, batch, pool, high)  # a capture: no host values
+    if mapped is None:  # bounds and liveness alone
+        check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
+        return None
+    passed, where = mapped
+    live = guard.state(pool, loc.device).live is not None
+    memo = guard.calls.memo
+    memo[(id(pool), high, 0, id(loc), id(None), live)] = (loc, passed, where >= 0, where)
+    if passed is loc:
+        return None
+    memo[(id(pool), high, 0, id(passed), id(None), live)] = (passed, passed, False, -1)  # checked: itself
+    return passed
+
+
+def step_end(guard: Guard) -> None:
+    """The step's probes are enqueued: start each record's copy, read at the next step."""
+    guard.calls.depth -= 1
+    guard.steps.open -= 1
+    guard.calls.memo.clear()
+    for state in list(guard.states):
+        state.record.start_copy()
+
+
+def make_forward_hook(guard: Guard, pool_attr: str) -> Any:
+    """The wrapt wrapper for ModelRunner.forward: the step boundary (reports), then one
+    check of out_cache_loc against the runner's pool, then the forward itself."""
+
+    def wrapper(wrapped: Any, runner: Any, args: tuple, kwargs: dict) -> Any:
+        batch = args[0] if args else kwargs.get("forward_batch")
+        cleaned = None
+        try:
+            cleaned = step_begin(guard, runner, batch, getattr(runner, pool_attr, None))
+        except KVOutOfBoundsError:
+            step_end(guard)
+            raise
+        except Exception as exc:
+            guard.internal_error("ModelRunner.forward (step check)", exc)
+        if cleaned is not None:  # bound for this forward only: sglang copies the batch before any layer writes
+            cleaned, batch.out_cache_loc = batch.out_cache_loc, cleaned
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            if cleaned is not None:
+                batch.out_cache_loc = cleaned  # sglang's own tensor, never changed, bound again
+            step_end(guard)
+
+    return wrapper

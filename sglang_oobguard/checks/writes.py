@@ -1,0 +1,201 @@
+"""Writes: the check around every guarded pool write, and the wrappers that call it.
+
+`check_write` probes one write's ids (the host scan for CPU tensors, one kernel
+launch otherwise) and returns what the write gets: the caller's ids, or, where a
+write is contained (raise and warn), a private cleaned copy. The caller's objects
+are never changed. Within a forward step (or a graph capture) the same ids object
+on the same pool and bound is probed once: the step check's copy serves the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from ..model.config import Backend, Mode
+from ..model.discover import Found
+from ..model.log import logger
+from ..model.violation import is_site_label
+from ..probes import device, hostscan, kernels
+from ..probes.pools import RING, STATE_ATTR, PoolState, region
+from ..probes.shadow import Live
+from ..report.reporter import KVOutOfBoundsError
+from .guard import Guard
+
+
+def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tensor, high: int,
+                layer: Callable[[], int], lens: Optional[torch.Tensor] = None, slots: bool = True) -> torch.Tensor:
+    """Probe one write; returns the ids the write gets. `layer` is called only when a
+    report needs it. `slots`: the ids are the pool's token slots, which the liveness
+    shadow (when kept) covers."""
+    state = pool.__dict__.get(STATE_ATTR) or guard.attach(pool, loc.device)
+    live = state.live if slots else None
+    calls = guard.calls
+    if device.is_gpu(loc):
+        capturing = device.capturing()
+        host = guard.config.backend is Backend.TORCH and not capturing
+    else:
+        capturing, host = False, guard.config.backend is not Backend.TRITON
+    if capturing != calls.capturing:  # a capture starts a memo of its own, so each graph holds its probe
+        calls.capturing = capturing
+        calls.memo.clear()
+    key = None
+    if capturing or calls.depth:
+        key = (id(pool), high, param, id(loc), id(lens), live is not None)
+        hit = calls.memo.get(key)
+        if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for.get(hit[3]) is loc):
+            return hit[1]
+    if host:
+        passed = _scan(guard, state, site, loc, high, layer, lens, live)
+        where = -1
+    else:
+        where = region(RING if capturing else guard.steps.number % RING, param)
+        passed = _launch(guard, state, site, where, loc, high, layer, lens, live)
+    if key is not None:  # a copy in the pool's buffer serves only while no other ids overwrote it
+        calls.memo[key] = (loc, passed, passed is not loc and where >= 0, where)
+    return passed
+
+
+def _scan(guard: Guard, state: PoolState, site: int, loc: torch.Tensor, high: int, layer: Callable[[], int],
+          lens: Optional[torch.Tensor], live: Optional[Live]) -> torch.Tensor:
+    finding = hostscan.scan_host(loc, high, lens, live)
+    if finding is None:
+        return loc
+    guard.report_now(state, finding.record(site, layer(), high, loc.numel(), guard.steps.number))
+    return hostscan.cleaned(loc, high, lens, live)  # warn mode: the others raised
+
+
+def _launch(guard: Guard, state: PoolState, site: int, where: int, loc: torch.Tensor, high: int,
+            layer: Callable[[], int], lens: Optional[torch.Tensor], live: Optional[Live]) -> torch.Tensor:
+    if not loc.numel():
+        return loc
+    asserts = guard.config.mode is Mode.STRICT and device.is_gpu(loc)  # the assert stops the stream before the write
+    clean = None if asserts else state.copy_for(where, loc)  # (Triton's interpreter asserts nothing)
+    if clean is None and not asserts and guard.first_time(f"uncontained {state.serial}"):
+        logger.warning("sglang_oobguard: %s: a write of %d ids, more than the pool's %d slots: probed, not "
+                       "contained (no buffer may grow once graphs can hold it)", state.pool_name, loc.numel(),
+                       state.capacity)
+    kernels.launch(loc, high, site, layer(), state.record.tensor, state.scratch, guard.steps.counter(state.device),
+                   clean, guard.message(site) if asserts else None, lens, live)
+    if clean is not None:
+        state.copied_for[where] = loc
+    if device.is_gpu(loc):
+        state.order.probed(loc.device)
+    guard.launched(state)
+    return loc if clean is None else clean
+
+
+def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
+    """The wrapt wrapper for one found method: probe each id parameter, then write with
+    what the probe hands back (the caller's ids, or a cleaned copy). A nested call on
+    the same pool and method with the ids object passed on, i.e. a super() call, is
+    not probed again."""
+    method = found.method
+    specs = tuple((param, ids.position, name, ids.bound.high, site, ids.bound.slots)
+                  for param, (ids, name, site) in enumerate(zip(found.rule.ids, found.id_names, found.sites)))
+    head_at, head_name = specs[0][1], specs[0][2]
+    lens_at = found.rule.lens
+    calls = guard.calls
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        outer = calls.current
+        head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
+        if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
+            return wrapped(*args, **kwargs)
+        try:
+            lens = None if lens_at is None else argument(args, kwargs, lens_at, "commit_lens")
+            for param, position, name, high, site, slots in specs:
+                given = len(args) > position
+                value = args[position] if given else kwargs.get(name)
+                loc = value if isinstance(value, torch.Tensor) else getattr(value, "loc", None)  # KVWriteLoc
+                if not isinstance(loc, torch.Tensor):
+                    continue
+                checked = check_write(guard, instance, site, param, loc, high(instance),
+                                      lambda: _layer_id(args, kwargs, found), lens, slots)
+                if checked is not loc:
+                    passed = checked if value is loc else dataclasses.replace(value, loc=checked)
+                    args, kwargs = replaced(args, kwargs, position, name, given, passed)
+                    if position == head_at:
+                        head = passed
+        except KVOutOfBoundsError:
+            raise
+        except Exception as exc:  # the guard's own failure: the write goes on unchecked
+            guard.internal_error(found.qualname, exc)
+        calls.current = (instance, method, head)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            calls.current = outer
+
+    return wrapper
+
+
+def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
+    """The call's arguments with one replaced (positional when it was given so)."""
+    if given:
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """One argument of a wrapped call, given by position or by name."""
+    return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+def _layer_id(args: tuple, kwargs: dict, found: Found) -> int:
+    """`layer_id_override` when given (wrapper pools pass layer=None), else the layer's
+    id: a RadixAttention's `layer_id`, or the int that index writes take. -1: none."""
+    at = found.override_index
+    override = args[at] if at is not None and len(args) > at else kwargs.get("layer_id_override")
+    if override is not None:
+        return int(override)
+    if found.layer_name is None or found.rule.layer is None:
+        return -1
+    layer = argument(args, kwargs, found.rule.layer, found.layer_name)
+    layer_id = layer if isinstance(layer, int) else getattr(layer, "layer_id", None)
+    return -1 if layer_id is None else int(layer_id)
+
+
+def make_upstream_skip(guard: Guard) -> Callable[..., Any]:
+    """Wrapper for sglang's own `maybe_detect_oob` (0.5.13+) as bound in a pool module:
+    inside a method we guard, a call under one of our labels is the check our probe
+    just made, so skip it; every other upstream probe (NaN, Inf, page alignment,
+    other modules, and any call outside our methods) runs as before."""
+    calls = guard.calls
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        if calls.current is not None and is_site_label(args[3] if len(args) > 3 else kwargs.get("msg")):
+            return None
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def make_constructor_hook(guard: Guard) -> Callable[..., Any]:
+    """Wrapper for KVCache.__init__: every pool gets its state (and its kernels their
+    warm-up) as it is built, not on its first write, which may be under graph capture."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        if STATE_ATTR not in instance.__dict__:
+            try:
+                guard.attach(instance, torch.device(instance.device))
+            except Exception as exc:
+                guard.internal_error(f"{type(instance).__name__}.__init__", exc)
+        return result
+
+    return wrapper
+
+
+def attach_existing(guard: Guard, pools: Iterable[Any]) -> None:
+    """Give pools built before install() their state now (a pool whose constructor
+    failed half way, without size or device, is no pool: left alone)."""
+    for pool in pools:
+        built = all(name in pool.__dict__ for name in ("size", "page_size", "device"))
+        if built and STATE_ATTR not in pool.__dict__:
+            try:
+                guard.attach(pool, torch.device(pool.device))
+            except Exception as exc:
+                guard.internal_error(f"{type(pool).__name__} (built before install)", exc)

@@ -1,0 +1,144 @@
+"""Host scan: the immediate check of ids that live in host memory (CPU tensors).
+
+The same contract as the kernels (`kernels`), folding into the same record
+(`record.fold_host`): a write's ids must lie in [0, high) and, with a liveness
+shadow, on a live page (page 0, the padding page, passes); a free's ids must be
+live, and where each id owns its flag, named once. `cleaned` makes the private copy
+a contained write receives; the caller's ids are only read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from ..model.violation import Kind
+from .record import Record
+from .shadow import Live
+
+# Below this many ids a Python list beats a torch reduction.
+_HOST_LIST_MAX = 32
+
+
+class Finding(NamedTuple):
+    """What one call's scan found: how many ids were bad, the first one and where."""
+
+    bad: int
+    pos: int
+    value: int
+
+    def record(self, site: int, layer: int, high: int, numel: int, step: int, free: bool = False) -> Record:
+        """This call as a record of its own (what `record.fold_host` folds in)."""
+        outside = self.value < 0 or self.value >= high
+        kind = Kind.BOUNDS if outside else (Kind.DOUBLE_FREE if free else Kind.FREED)
+        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value, step, kind)
+
+
+def _written(loc: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Which ids of a (rows, cols) `loc` are written: the first lens[row] of each row."""
+    cols = torch.arange(loc.shape[-1], device=loc.device)
+    return (cols[None, :] < lens.to(loc.device, torch.int64)[:, None]).reshape(-1)
+
+
+def _bad(flat: torch.Tensor, high: int, live: Optional[Live], padding_ok: bool = True) -> torch.Tensor:
+    """Per id: outside [0, high), or (with a shadow) inside it and the shadow, on a page
+    that is not live. `padding_ok`: page 0 passes (a write may target it; a free may not)."""
+    bad = (flat < 0) | (flat >= high)
+    if live is not None:
+        covered = ~bad & (flat < live.high)
+        flags = live.flags.to(flat.device)[flat.clamp(0, max(live.high - 1, 0)) // live.page]
+        dead = covered & (flags == 0)
+        bad |= dead & (flat >= live.page) if padding_ok else dead
+    return bad
+
+
+def _finding(flat: torch.Tensor, bad: torch.Tensor) -> Optional[Finding]:
+    """How many ids are bad, and the first one: what a record keeps of a call."""
+    if not bool(bad.any()):
+        return None
+    pos = int(bad.to(torch.uint8).argmax())
+    return Finding(int(bad.sum()), pos, int(flat[pos]))
+
+
+def _all_live(ids: np.ndarray, live: Live) -> bool:
+    """Every id (already inside the bound) sits on a live page, on page 0, or outside the shadow."""
+    assert live.host is not None
+    inside = ids[ids < live.high]
+    held = np.frombuffer(live.host, dtype=np.int32)[inside if live.page == 1 else inside // live.page] != 0
+    return bool(held.all()) or bool((held | (inside < live.page)).all())
+
+
+def _clean(flat: torch.Tensor, high: int, live: Optional[Live]) -> bool:
+    """The fast answer for a clean call: True when every id is in [0, high) and (with
+    `live`) on a live page; False means "scan it in full". Plain Python for a few ids,
+    numpy over the shadow's memory or one torch reduction for many."""
+    host = None if live is None else live.host
+    if live is not None and host is None:
+        return False
+    if flat.numel() <= _HOST_LIST_MAX:
+        few = flat.tolist()
+        if few and (min(few) < 0 or max(few) >= high):
+            return False
+        if live is None or host is None:
+            return True
+        page, covered = live.page, live.high
+        return all(i < page or i >= covered or host[i // page] for i in few)
+    if live is None:
+        lo, hi = torch.aminmax(flat)
+        return lo.item() >= 0 and hi.item() < high
+    ids = flat.numpy()
+    return bool(ids.min() >= 0 and ids.max() < high) and _all_live(ids, live)
+
+
+def _write_mask(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor], live: Optional[Live]) -> torch.Tensor:
+    """Per id of `loc` (flattened): bad and written."""
+    bad = _bad(loc.reshape(-1), high, live)
+    return bad & _written(loc, lens) if lens is not None else bad
+
+
+def scan_host(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor] = None,
+              live: Optional[Live] = None) -> Optional[Finding]:
+    """None when every written id is in [0, high) (and, with `live`, on a live page).
+    With `lens`, only each row's valid prefix is written, and checked."""
+    flat = loc if loc.dim() == 1 else loc.reshape(-1)
+    if lens is None and _clean(flat, high, live):
+        return None
+    return _finding(flat, _write_mask(loc, high, lens, live))
+
+
+def cleaned(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor] = None,
+            live: Optional[Live] = None) -> torch.Tensor:
+    """A private copy of `loc` with its bad (written) ids sent to padding slot 0, as
+    the kernel's copy; `loc` itself is left as it was."""
+    return loc.masked_fill(_write_mask(loc, high, lens, live).reshape(loc.shape), 0)
+
+
+def _repeats(flat: torch.Tensor) -> torch.Tensor:
+    """Per id: the same id came earlier in this call."""
+    ids = flat.numpy()
+    seen = np.zeros(ids.shape, dtype=bool)
+    seen[np.unique(ids, return_index=True)[1]] = True
+    return torch.from_numpy(~seen)
+
+
+def _bad_free(flat: torch.Tensor, high: int, live: Live) -> torch.Tensor:
+    """Per freed id: outside [0, high), on a page not live before the call, or, where
+    each id owns its flag (page 1: token slots or page ids), named twice in the call.
+    Several token ids of one page may share a paged free: it takes the page back once."""
+    bad = _bad(flat, high, live, padding_ok=False)
+    return bad | _repeats(flat) if live.page == 1 else bad
+
+
+def scan_free(ids: torch.Tensor, high: int, live: Live) -> Optional[Finding]:
+    """The check of a free: None when every id is in [0, high) on a live page."""
+    flat = ids.reshape(-1)
+    return _finding(flat, _bad_free(flat, high, live))
+
+
+def live_only(ids: torch.Tensor, high: int, live: Live) -> torch.Tensor:
+    """A free's containment (warn mode): only the ids in [0, high) on a live page,
+    each once, so the allocator's free list never takes a slot twice."""
+    flat = ids.reshape(-1)
+    return flat[~_bad_free(flat, high, live)]
