@@ -19,6 +19,7 @@ from ..model.violation import Violation, assert_text, free_param, site_id
 from ..probes import device
 from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from ..probes.record import Record, fold_host
+from ..report import owntime
 from ..report.reporter import Reporter
 from .calls import CallState
 from .steps import Steps
@@ -32,6 +33,7 @@ class Guard:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.reporter = Reporter(config.warn_interval_s)
+        self.own_time = owntime.open_for(config.own_time)  # a benchmark's; fixed by the first install
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self.found: list[Found] = []  # the guarded methods: what a new pool's warm-up compiles
         self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
