@@ -5,7 +5,8 @@ A throughput ratio on a 2-core machine cannot resolve a few percent; the guard's
 time can. Unset (the default) nothing here runs: the instrumentor wraps its wrappers
 in `OwnTime.timed` only when the folder is set. Set, each process keeps its totals in
 a file of its own, `DIR/owntime-<pid>.bin`, memory-mapped: for each kind of entry
-point, int64 nanoseconds and calls, added in place at every call (no system call),
+point, int64 own nanoseconds, calls and inclusive nanoseconds (the sglang call too:
+for `step`, the forward's own time), added in place at every call (no system call),
 read by `read()` (bench/engine.py, between rounds) while the process runs.
 """
 
@@ -20,11 +21,12 @@ from typing import Any, Callable, Optional
 # The guard's entry points by kind: `step` counts the forward steps (its calls).
 KINDS = ("write", "step", "allocator", "writer", "transfer", "flush", "other")
 PREFIX, SUFFIX = "owntime-", ".bin"
-_BYTES = 8 * 2 * len(KINDS)
+SLOTS = 3  # per kind: own ns, calls, inclusive ns
+_BYTES = 8 * SLOTS * len(KINDS)
 
 
 class OwnTime:
-    """One process's totals: slot 2k holds kind k's nanoseconds, slot 2k + 1 its calls."""
+    """One process's totals: kind k's own ns, calls and inclusive ns at slots 3k, 3k + 1, 3k + 2."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -42,15 +44,16 @@ class OwnTime:
             os.close(fd)
 
     def add(self, kind: str, ns: int) -> None:
-        at = 2 * KINDS.index(kind)
+        at = SLOTS * KINDS.index(kind)
         self._slots[at] += ns
         self._slots[at + 1] += 1
+        self._slots[at + 2] += ns
 
     def timed(self, kind: str, wrapper: Callable[..., Any]) -> Callable[..., Any]:
         """`wrapper` (a wrapt wrapper) timed: its inclusive time minus the time of the
         sglang call it makes, added to `kind`. A guarded call nested in another's
         sglang call counts in its own kind only."""
-        at = 2 * KINDS.index(kind)
+        at = SLOTS * KINDS.index(kind)
         clock = time.perf_counter_ns
 
         def timed_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -68,9 +71,10 @@ class OwnTime:
             try:
                 return wrapper(call, instance, args, kwargs)
             finally:
-                slots = self._slots
-                slots[at] += clock() - start - inner
+                slots, took = self._slots, clock() - start
+                slots[at] += took - inner
                 slots[at + 1] += 1
+                slots[at + 2] += took
 
         return timed_wrapper
 
@@ -80,14 +84,13 @@ def open_for(folder: Optional[str]) -> Optional[OwnTime]:
     return None if folder is None else OwnTime(folder)
 
 
-def read(folder: str) -> dict[str, tuple[int, int]]:
-    """kind -> (nanoseconds, calls), summed over every process that filed in `folder`."""
-    totals = {kind: (0, 0) for kind in KINDS}
+def read(folder: str) -> dict[str, tuple[int, int, int]]:
+    """kind -> (own ns, calls, inclusive ns), summed over every process that filed in `folder`."""
+    totals = {kind: (0, 0, 0) for kind in KINDS}
     for path in Path(folder).glob(f"{PREFIX}*{SUFFIX}"):
         data = memoryview(path.read_bytes()).cast("q")
-        if len(data) != 2 * len(KINDS):
+        if len(data) != SLOTS * len(KINDS):
             continue  # a file being created this instant
         for k, kind in enumerate(KINDS):
-            ns, calls = totals[kind]
-            totals[kind] = (ns + data[2 * k], calls + data[2 * k + 1])
+            totals[kind] = tuple(a + b for a, b in zip(totals[kind], data[SLOTS * k:SLOTS * (k + 1)]))
     return totals
