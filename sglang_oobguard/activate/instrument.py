@@ -187,8 +187,9 @@ class Instrumentor:
 
     def _skip_upstream_duplicates(self, module: Optional[ModuleType]) -> None:
         """Bind this pool module's `maybe_detect_oob` (0.5.13+) to a wrapper that skips
-        the calls our probe has just made; a module without it is left as it is."""
-        if module is not None and UPSTREAM_PROBE in module.__dict__:
+        the calls our probe has just made; a module without it is left as it is, and so
+        is every module while sglang's flag is off (its probe returns at once then)."""
+        if self.guard.config.upstream_probe and module is not None and UPSTREAM_PROBE in module.__dict__:
             self.patches.wrap(module, UPSTREAM_PROBE, make_upstream_skip(self.guard), "write")
 
 
@@ -253,6 +254,8 @@ def _reconfigure(config: config_mod.Config) -> tuple[Union[Found, AllocatorMetho
     assert _active is not None
     tracking = any(isinstance(entry, AllocatorMethod) for entry in _active.patches.entries)
     _active.guard.configure(config)
+    for entry in _active.guard.found:  # sglang's flag on now: its duplicate probes skipped from now on
+        _active._skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
     if config.liveness != tracking:
         _active.track_allocators() if config.liveness else _active.untrack_allocators()
     return _active.patches.entries

@@ -74,6 +74,7 @@ class Config:
     liveness: bool = False  # also check that written and freed slots are allocated (README, "Liveness")
     report_dir: Optional[str] = None  # each process appends its JSON-lines report to a file here (`reportfile`)
     own_time: Optional[str] = None  # a benchmark's folder: each process keeps its own time there (`owntime`)
+    upstream_probe: bool = False  # SGLANG_ENABLE_ASYNC_ASSERT is on: sglang's own probe runs in its methods
 
     @property
     def active(self) -> bool:
@@ -171,4 +172,4 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
         raise ConfigError(LIVENESS_VAR, _get(env, LIVENESS_VAR) or "", "0, or set it with the guard on "
                           f"({ENABLE_VAR}=1 or {MODE_VAR}=strict|raise|warn)")
     return Config(mode, backend, poll_every, warn_interval, liveness and mode is not Mode.OFF, report_dir,
-                  own_time)
+                  own_time, enabled)

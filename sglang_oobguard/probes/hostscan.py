@@ -86,10 +86,19 @@ def _clean(flat: torch.Tensor, high: int, live: Optional[Live]) -> bool:
         page, covered = live.page, live.high
         return all(i < page or i >= covered or host[i // page] for i in few)
     if live is None:
-        lo, hi = torch.aminmax(flat)
-        return lo.item() >= 0 and hi.item() < high
+        return in_bounds(flat, high)
     ids = flat.numpy()
     return bool(ids.min() >= 0 and ids.max() < high) and _all_live(ids, live)
+
+
+def in_bounds(flat: torch.Tensor, high: int) -> bool:
+    """Every id of a 1-D host tensor in [0, high): the write check without a shadow.
+    Plain Python for a few ids, else one torch reduction."""
+    if flat.numel() <= _HOST_LIST_MAX:
+        few = flat.tolist()
+        return not few or (min(few) >= 0 and max(few) < high)
+    lo, hi = torch.aminmax(flat)
+    return lo.item() >= 0 and hi.item() < high
 
 
 def _write_mask(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor], live: Optional[Live]) -> torch.Tensor:
