@@ -129,6 +129,30 @@ def write_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def cold_rows(quick: bool) -> list[dict]:
+    """Where a guarded write's time goes (issue 35): the guard's host check of N ids
+    (`hostscan.scan_host`, what a clean write outside a step runs) right after 32 MB of
+    other memory traffic, as after a large KV write, and again at once, warm. The median
+    of many tries each; a KV write of N >= 256 rows moves 1 MB or more."""
+    from sglang_oobguard.probes import hostscan
+
+    evict = torch.empty(8 << 20, dtype=torch.float32)
+    rows = []
+    for n in (1, 16, 256, 4096):
+        flat = torch.randperm(SIZE)[:n] + 1
+        cold, warm = [], []
+        for i in range(20 if quick else 300):
+            evict.fill_(i)
+            start = time.perf_counter_ns()
+            hostscan.scan_host(flat, HIGH)
+            cold.append(time.perf_counter_ns() - start)
+            start = time.perf_counter_ns()
+            hostscan.scan_host(flat, HIGH)
+            warm.append(time.perf_counter_ns() - start)
+        rows.append({"n": n, "cold": statistics.median(cold) / 1e3, "warm": statistics.median(warm) / 1e3})
+    return rows
+
+
 def step_rows(quick: bool) -> list[dict]:
     """One decode step through sglang's ModelRunner.forward under the guard's step hook
     (the model replaced by a loop that writes each layer's KV at out_cache_loc through
@@ -246,6 +270,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = write_rows(args.quick)
     steps = step_rows(args.quick)
+    cold = cold_rows(args.quick)
     off = off_rows(args.quick)
     import sglang
 
@@ -268,6 +293,13 @@ def main() -> int:
               f"| {r['upstream']:.1f} us | {r['upstream_x']:.2f}x | {r['both']:.1f} us | {r['both_x']:.2f}x "
               f"| {r['live']:.1f} us | {verdict(r['live_x'], 1.10) if r['n'] == 1 else format(r['live_x'], '.2f') + 'x'} "
               f"| {r['ours']:.2f} us | {r['theirs']:.2f} us | {r['probe_x']:.2f}x | {added_shown} |")
+    print("\nThe guard's host check of a clean write's N ids (hostscan.scan_host), right after 32 MB of other memory "
+          "traffic (as after a large KV write: cold) and at once again (warm), median of the tries. Outside forward "
+          "steps a clean host write runs this and little else (checks/writes.py, _on_host_fast).\n")
+    print("| tokens N | cold | warm | cold / warm |")
+    print("|---|---|---|---|")
+    for r in cold:
+        print(f"| {r['n']} | {r['cold']:.1f} us | {r['warm']:.1f} us | {r['cold'] / r['warm']:.1f}x |")
     print("\nOne decode step (16 tokens) through sglang's ModelRunner.forward under the step hook, each layer "
           "writing its KV at out_cache_loc through the real pool: probes per step, one per guarded write before "
           "the step check, and the step's time.\n")

@@ -27,6 +27,8 @@ def test_cpu_benchmark_prints_every_row():
     out = run("bench/run.py", "--quick")
     for n in (1, 16, 256, 4096):
         assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x .* \| [\d.]+ us \| [\d.]+x", out, re.M), out
+    for n in (1, 16, 256, 4096):  # the host check, cold and warm
+        assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \|$", out, re.M), out
     for layers in (1, 80):  # probes per step: one per layer before the step check, one after
         assert re.search(rf"^\| {layers} \| {layers} \| 1 \| \d+ us \| \d+ us \| [\d.]+x \|$", out, re.M), out
     assert re.search(r"load\(\) takes [\d.]+ us", out)

@@ -22,6 +22,7 @@ from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
+from .calls import memo_key
 from .guard import Guard
 
 
@@ -43,7 +44,7 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
         calls.memo.clear()
     key = None
     if capturing or calls.depth:
-        key = (id(pool), high, param, id(loc), id(lens), live is not None)
+        key = memo_key(pool, high, param, loc, lens, live is not None)
         hit = calls.memo.get(key)
         if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for.get(hit[3]) is loc):
             return hit[1]
@@ -87,16 +88,24 @@ def _launch(guard: Guard, state: PoolState, site: int, where: int, loc: torch.Te
     return loc if clean is None else clean
 
 
-def _clean_on_host(guard: Guard, pool: Any, loc: torch.Tensor, high: Callable[[Any], int]) -> bool:
-    """The common write answered in the fewest steps: host ids, outside forward steps,
-    no shadow to read, every id in bounds. Each step costs several times its warm time
-    right after a large KV write has flushed the caches (issue 35), so the full check
-    (`check_write`) runs only when this says False: then it finds and reports."""
-    if guard.calls.depth or device.is_gpu(loc) or guard.config.backend is Backend.TRITON:
-        return False
+def _on_host_fast(guard: Guard, pool: Any, loc: torch.Tensor, high_of: Callable[[Any], int]) -> Optional[torch.Tensor]:
+    """The common host write answered in the fewest steps, or None: run the full check
+    (`check_write`), which finds, reports and contains. Each step costs several times its
+    warm time right after a large KV write has flushed the caches (issue 35). Inside a
+    forward step: the step check's memo of these very ids. Outside: no shadow to read,
+    every id in bounds."""
+    if device.is_gpu(loc) or guard.config.backend is Backend.TRITON or guard.calls.capturing:
+        return None
     state = pool.__dict__.get(STATE_ATTR)
-    return (state is not None and state.live is None
-            and hostscan.in_bounds(loc if loc.dim() == 1 else loc.reshape(-1), high(pool)))
+    if state is None:
+        return None
+    high = high_of(pool)
+    if guard.calls.depth:
+        hit = guard.calls.memo.get(memo_key(pool, high, 0, loc, None, state.live is not None))
+        return hit[1] if hit is not None and hit[0] is loc and not hit[2] else None
+    if state.live is None and hostscan.scan_host(loc, high) is None:
+        return loc
+    return None
 
 
 def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
@@ -119,10 +128,13 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
         try:
-            clean = lean and type(head) is torch.Tensor and _clean_on_host(guard, instance, head, head_high)
+            fast = _on_host_fast(guard, instance, head, head_high) if lean and type(head) is torch.Tensor else None
         except Exception:  # the full check below says what went wrong
-            clean = False
-        if clean:
+            fast = None
+        if fast is not None:
+            if fast is not head:  # the step check's cleaned copy
+                args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, fast)
+                head = fast
             calls.current = (instance, method, head)
             try:
                 return wrapped(*args, **kwargs)
