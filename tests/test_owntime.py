@@ -61,3 +61,12 @@ def test_read_sums_the_processes_files(tmp_path):
         slots = [ns, 1, 2 * ns] + [0] * (owntime.SLOTS * len(owntime.KINDS) - 3)
         (tmp_path / f"owntime-{pid}.bin").write_bytes(struct.pack(f"{len(slots)}q", *slots))
     assert owntime.read(str(tmp_path))["write"] == (12, 2, 24)
+
+
+def test_a_folder_that_cannot_be_written_leaves_the_guard_on_untimed(mp, guard, monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SGLANG_OOBGUARD_OWN_TIME", str(blocker / "sub"))
+    assert guard("strict")  # installed
+    assert mp.MHATokenToKVPool.__dict__["set_kv_buffer"]._self_wrapper.__name__ == "wrapper"
+    assert any("own time not kept" in r.getMessage() for r in caplog.records)

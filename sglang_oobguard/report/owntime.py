@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..model.log import logger
+
 # The guard's entry points by kind: `step` counts the forward steps (its calls).
 KINDS = ("write", "step", "allocator", "writer", "transfer", "flush", "other")
 PREFIX, SUFFIX = "owntime-", ".bin"
@@ -80,8 +82,15 @@ class OwnTime:
 
 
 def open_for(folder: Optional[str]) -> Optional[OwnTime]:
-    """The process's own-time file when the benchmark asked for one, else None."""
-    return None if folder is None else OwnTime(folder)
+    """The process's own-time file when the benchmark asked for one, else None (also
+    when the folder cannot be written: one WARNING, and the guard goes on untimed)."""
+    if folder is None:
+        return None
+    try:
+        return OwnTime(folder)
+    except OSError as exc:
+        logger.warning("sglang_oobguard: own time not kept: %s: %s", folder, exc)
+        return None
 
 
 def read(folder: str) -> dict[str, tuple[int, int, int]]:
