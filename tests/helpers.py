@@ -133,6 +133,9 @@ FACTS: dict[str, Fact] = {
     "dsa_cache_layer_split": Fact(lambda: _module("sglang.srt.mem_cache.dsa_cache_layer_split") is not None, "0.5.16"),
     "PagedTokenToKVPoolAllocator.free_page_ids": Fact(
         _has("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator.free_page_ids"), "0.5.20"),
+    # PD disaggregation's decode side: the queue methods the KV transfer check hooks
+    "DecodePreallocQueue._send_kv_metadata": Fact(
+        _has("sglang.srt.disaggregation.decode", "DecodePreallocQueue._send_kv_metadata"), "? (checked on 0.5.23)"),
     # the speculative CPU ops the stand-in comparisons (tests/test_standins.py) run
     "assign_req_to_token_pool": Fact(_has("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool"), "0.5.16"),
     "assign_extend_cache_locs": Fact(_has(f"{SPECULATIVE}.cache_locs", "assign_extend_cache_locs"), "0.5.16"),

@@ -26,14 +26,15 @@ from ..checks import flush
 from ..checks.guard import Guard
 from ..checks.liveness import make_wrapper as make_allocator_wrapper
 from ..checks.stepcheck import make_forward_hook
+from ..checks.transfer import make_hook as make_transfer_hook
 from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 from ..model import config as config_mod
 from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover, pool_classes,
                               resolve, write_methods)
 from ..model.log import ensure_visible, logger
-from ..model.targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
-                             version_of_sglang, write_map_off)
+from ..model.targets import (FUSED_WRITERS, STEP_HOOK, TRANSFER_HOOKS, TRANSFER_MODULE, UNMAPPED, UPSTREAM_PROBE,
+                             is_supported, module_file, version_of_sglang, write_map_off)
 from ..model.violation import Violation
 from ..report.files import open_report
 from ..report.owntime import OwnTime
@@ -194,13 +195,24 @@ class Instrumentor:
 
 
 
+def _hook_transfers(instrumentor: Instrumentor, module: ModuleType) -> None:
+    """PD decode's queues: each hook whose method this sglang has (`checks.transfer`)."""
+    for owner, method, kind in TRANSFER_HOOKS:
+        cls = getattr(module, owner, None)
+        if cls is None or method not in cls.__dict__:
+            logger.warning("sglang_oobguard: %s.%s.%s not found: the KV transfer check misses it",
+                           TRANSFER_MODULE, owner, method)
+            continue
+        instrumentor._wrap(cls, method, make_transfer_hook(kind, instrumentor.guard))
+
+
 _active: Optional[Instrumentor] = None
 _lock = threading.RLock()  # one install at a time; re-entered by the .pth hook's install inside ours
 _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hooks for the process)
 
 
 def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, *(module for writer in FUSED_WRITERS for module in writer.modules)]
+    return [STEP_HOOK.module, TRANSFER_MODULE, *(module for writer in FUSED_WRITERS for module in writer.modules)]
 
 
 def _when_imported(module: str) -> None:
@@ -218,6 +230,8 @@ def _when_imported(module: str) -> None:
 def _on_import(module: ModuleType) -> None:
     if _active is not None:
         try:
+            if module.__name__ == TRANSFER_MODULE:
+                _hook_transfers(_active, module)
             _active.patch_module(module)
         except Exception as exc:  # never raised into sglang's import
             _active.guard.internal_error(f"patching {module.__name__}", exc)
@@ -289,6 +303,8 @@ def _absent_hooks() -> list[tuple[str, str]]:
     absent = []
     if module_file(STEP_HOOK.module) is None:
         absent.append((f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method})", STEP_HOOK.module))
+    if module_file(TRANSFER_MODULE) is None:
+        absent.append(("the KV transfer check (PD disaggregation's decode side)", TRANSFER_MODULE))
     for writer in FUSED_WRITERS:
         if all(module_file(module) is None for module in writer.modules):
             absent.append((writer.label, " or ".join(writer.modules)))

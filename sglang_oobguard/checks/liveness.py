@@ -30,11 +30,11 @@ from ..model.log import logger
 from ..model.targets import ALLOCATOR_METHODS, BASE_CLASS, MEMORY_POOL, POOL_OF_ALLOCATOR, TRACKED_ALLOCATORS, Role
 from ..model.violation import free_site_id
 from ..probes import device, hostscan, kernels, shadow
-from ..probes.pools import PoolState
+from ..probes.pools import LIVE_ATTR, PoolState
 from ..report.reporter import KVOutOfBoundsError
+from . import transfer
 from .guard import Guard
 
-LIVE_ATTR = "_oobguard_live"  # on a tracked allocator: its pool's PoolState
 BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup_state() saw it
 
 
@@ -46,8 +46,8 @@ class _Call:
     """One allocator call: the wrapped method and its arguments, which a free's
     containment may replace (warn mode on the host: only the live ids go back)."""
 
-    def __init__(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        self.wrapped, self.args, self.kwargs = wrapped, args, kwargs
+    def __init__(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict, method: str) -> None:
+        self.wrapped, self.args, self.kwargs, self.method = wrapped, args, kwargs, method
 
     @property
     def ids(self) -> Any:
@@ -97,7 +97,12 @@ def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: _C
 def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call, in_pages: bool) -> Any:
     ids = call.ids
     if isinstance(ids, torch.Tensor) and ids.numel() and _releases_now(allocator):
-        contained = _checked(guard, lambda: check_free(guard, state, site, ids, in_pages))
+        if guard.on_host(ids):  # pages a KV transfer still writes: reported, and held back in warn mode
+            free = getattr(allocator, call.method)
+            unheld = _checked(guard, lambda: transfer.on_free(guard, state, site, ids, in_pages, free))
+            if unheld is not None:
+                call.ids = ids = unheld
+        contained = _checked(guard, lambda: check_free(guard, state, site, ids, in_pages)) if ids.numel() else None
         if contained is not None:
             call.ids = contained
     return _counted(guard, allocator, "free", call)
@@ -144,7 +149,7 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         if state is None or state.live is None:
             return wrapped(*args, **kwargs)
         return HANDLERS[role](guard, instance, state, free_site(method, role, type(instance)),
-                              _Call(wrapped, args, kwargs))
+                              _Call(wrapped, args, kwargs, method))
 
     return wrapper
 
@@ -265,6 +270,7 @@ def _start(guard: Guard, allocator: Any) -> None:
     else:
         _update(state, shadow.clear)
     guard.mark(allocator, LIVE_ATTR, state)
+    guard.transfers.forget(state)
     allocator.__dict__.pop(BACKUP_ATTR, None)
 
 

@@ -255,6 +255,22 @@ def label_for(class_name: str, method: str, ids: Ids) -> str:
     return LABELS.get((class_name, method), f"{method} ({class_name})")
 
 
+# -- KV transfers (PD disaggregation's decode side, with liveness; `checks.transfer`) --
+TRANSFER_MODULE = "sglang.srt.disaggregation.decode"
+# (class, method, what the hook does): send = check the destination pages sent to prefill,
+# in flight from then on; poll = Success ends a transfer, Failed awaits the drain signal;
+# resolve = give back what warn mode held once its transfer ended; pending = held pages
+# count as one of sglang's deferred releases (its idle leak check waits for them).
+TRANSFER_HOOKS = (("DecodePreallocQueue", "_send_kv_metadata", "send"),
+                  ("DecodeTransferQueue", "_poll_with_metadata_gate", "poll"),
+                  ("DecodeTransferQueue", "_poll_with_staging", "poll"),
+                  ("DecodeTransferQueue", "resolve_deferred_releases", "resolve"),
+                  ("DecodeTransferQueue", "has_pending_deferred_releases", "pending"))
+# The backends' drain signal after an abort or failure (CommonKVManager: mooncake, nixl,
+# mori), armed by SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE; without it (the fake
+# backend, or the release off) Failed ends a transfer.
+DRAIN_SIGNAL, DRAIN_ARMED = "is_abort_release_safe", "enable_deferred_decode_kv_release"
+
 # -- liveness (SGLANG_OOBGUARD_LIVENESS): the allocators that hand slots out --------
 
 ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator"  # a module in older releases, a package by 0.5.16

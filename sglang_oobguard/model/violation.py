@@ -26,6 +26,7 @@ class Kind(enum.IntEnum):
     DUPLICATE = 4  # the same slot written by two tokens of one forward step
     SHARED_ROW = 5  # two requests of one forward step share a req_to_token row
     OWNED = 6  # written by one request while another running request owns the slot (liveness)
+    IN_FLIGHT = 7  # a page freed while a KV transfer into it is in flight (PD decode side, `transfer`)
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -91,6 +92,9 @@ class Violation:
     expected: int = -1  # the token's own slot per req_to_token (-1: not checked)
     owner: Optional[str] = None  # the request that holds the slot: its rid, or "req_to_token row R"
     owner_token: Optional[int] = None  # the position at which the owner holds the slot
+    # A KV transfer into the pages (PD disaggregation): its bootstrap room and the step it was sent at.
+    room: Optional[int] = None
+    sent_step: int = -1
 
     @classmethod
     def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
@@ -112,6 +116,11 @@ class Violation:
 
     def what(self) -> str:
         """What was wrong, for the first bad id."""
+        if self.kind == "in_flight":
+            return (f"page {self.value} freed while a KV transfer into it is in flight (request {self.request}, "
+                    f"bootstrap room {self.room}, sent "
+                    f"{f'at step {self.sent_step}' if self.sent_step >= 0 else 'before the first forward step'})"
+                    + (f" ({self.bad} of {self.numel} freed pages in flight)" if self.bad > 1 else ""))
         name = self.freed or "loc"
         at = f"{name}[{self.pos}] = {self.value}"
         more = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
@@ -151,6 +160,8 @@ class Violation:
 
     def contained(self) -> str:
         """What warn mode did about it, in words."""
+        if self.kind == "in_flight":
+            return "free of pages a KV transfer still writes (held back from the free list until it ends)"
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
         return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"

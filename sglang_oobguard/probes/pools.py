@@ -20,6 +20,7 @@ from .record import PoolRecord
 from .shadow import Live
 
 STATE_ATTR = "_oobguard_state"
+LIVE_ATTR = "_oobguard_live"  # on a tracked allocator: its pool's PoolState (liveness)
 NAME_ATTR = "_oobguard_name"  # a state holder that is no pool (a fused writer's) names itself
 SITES_ATTR = "_oobguard_sites"  # ...and the sites its warm-up compiles
 RING = 4  # eager copy slots, one per step in flight (the overlap scheduler runs one step ahead)

@@ -5,6 +5,9 @@ step belongs to request i on every run.
 
     python tests/e2e/engine_run.py MODEL_DIR [batch|radix] [amx|eagle|ngram] [tp=2]
     python tests/e2e/engine_run.py MODEL_DIR serve [batch=8] [tokens=128] [cuda]
+    python tests/e2e/engine_run.py MODEL_DIR decode [abort]
+
+`decode`: PD disaggregation's decode side, fake transfer backend (see `decode`).
 
 `radix`: the liveness workload instead: 44 prompts on 4 shared prefixes, the radix
 cache on, a pool of 384 slots (so finished prefixes are evicted to make room) and
@@ -62,7 +65,15 @@ WORKLOADS = {
     # a pool too small for what the scheduler admits (aggressive admission): decode runs out, sglang retracts
     "retract": (RADIX_PROMPTS, dict(max_total_tokens=384, disable_radix_cache=True, schedule_conservativeness=0.01)),
     "serve": ([], dict(disable_radix_cache=True, enable_tokenizer_batch_encode=True, sleep_on_idle=True)),
+    # PD disaggregation's decode side with the fake transfer backend (no prefill engine): a pool of 128
+    # slots, so that pages freed early are handed out again soon (`decode` below)
+    "decode": (PROMPTS, dict(disaggregation_mode="decode", disaggregation_transfer_backend="fake",
+                             disaggregation_decode_retraction_backup="cpu_tensor", max_total_tokens=128,
+                             num_reserved_decode_tokens=8, disable_radix_cache=True)),
 }
+# `decode abort`: a 60-token request aborted 0.6 s after it was sent, then three of 24-34 tokens, more than
+# the pool has left: the last takes pages the aborted one gave back
+DECODE_ABORT = [" ".join([PROMPTS[i]] * n) for i, n in ((1, 12), (0, 8), (2, 8), (3, 8))]
 # serve on a GPU: sglang's defaults (CUDA graphs, overlap scheduler), minus the backends
 # that need wheels a bare GPU machine lacks (flashinfer; sgl_kernel's sampling)
 CUDA = dict(attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.1, log_level="info")
@@ -92,6 +103,8 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             options.update(SPEC[arg], attention_backend="intel_amx", mem_fraction_static=0.3)
             if arg == "eagle":
                 options["speculative_draft_model_path"] = model
+        elif arg == "abort" and workload == "decode":
+            pass
         elif arg.startswith("tp="):
             options["tp_size"] = int(arg[3:])
             # one NUMA node here, so each rank's OpenMP threads are bound by hand; and an
@@ -160,6 +173,36 @@ def serve(engine, extra: list[str]) -> dict:
     return {"rounds": rounds}
 
 
+def decode(engine, abort: bool) -> dict:
+    """PD decode with the fake backend: every request carries the fake bootstrap host (one without
+    kills the fake-mode scheduler) and a bootstrap room; outputs by rid (the first token is a hash of
+    the rid: the pages hold no prefill KV). `abort`: DECODE_ABORT[0] as "victim", aborted 0.6 s after
+    it was sent, then the other three at once."""
+    import asyncio
+
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    params = {"temperature": 0, "max_new_tokens": 8}
+
+    def one(prompt: str, rid: str, room: int):
+        return engine.async_generate(prompt, params, rid=rid, bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=room)
+
+    async def run() -> list:
+        if not abort:
+            return await asyncio.gather(*(one(p, f"d{i}", 10 + i) for i, p in enumerate(PROMPTS)))
+        victim = asyncio.ensure_future(one(DECODE_ABORT[0], "victim", 100))
+        await asyncio.sleep(0.6)
+        engine.tokenizer_manager.abort_request(rid="victim")
+        followers = [one(p, f"follower{i}", 200 + i) for i, p in enumerate(DECODE_ABORT[1:])]
+        return await asyncio.gather(victim, *followers, return_exceptions=True)
+
+    outs = asyncio.get_event_loop().run_until_complete(run())
+    return {"by_rid": {out["meta_info"]["id"]: out.get("output_ids") for out in outs if isinstance(out, dict)},
+            "finish": {out["meta_info"]["id"]: out["meta_info"].get("finish_reason") for out in outs
+                       if isinstance(out, dict)},
+            "errors": [repr(out) for out in outs if not isinstance(out, dict)]}
+
+
 def main(model: str, workload: str = "batch", *extra: str) -> int:
     import sglang
 
@@ -173,6 +216,8 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
     try:
         if workload == "serve":
             result.update(serve(engine, list(extra)))
+        elif workload == "decode":
+            result.update(decode(engine, "abort" in extra))
         else:
             outs = engine.generate(WORKLOADS[workload][0], {"temperature": 0, "max_new_tokens": 16})
             result["outputs"] = [out.get("output_ids") for out in outs]

@@ -1,8 +1,8 @@
 """Test-only sglang plugin: a stale slot id, injected where a real bug would put it,
 and a tally of the KV writes, moves and frees the engine made.
 
-Loaded by sglang's own `load_plugins()` like any plugin. With neither variable
-below set it does nothing.
+Loaded by sglang's own `load_plugins()` like any plugin. With none of the variables
+below set (OOBGUARD_FAULT, OOBGUARD_COUNT, OOBGUARD_TRANSFER at the end) it does nothing.
 
 `OOBGUARD_FAULT=step=3,token=1,value=high+3` (step may be a range, `3-6`; value
 `high+K` means the pool's size + page_size + K, or a literal such as `-1`) wraps
@@ -238,9 +238,13 @@ def _patch_allocator(module) -> None:
 
 
 def load() -> None:
+    import wrapt
+
+    if os.environ.get("OOBGUARD_TRANSFER"):
+        wrapt.register_post_import_hook(_patch_fake, "sglang.srt.disaggregation.fake.conn")
+        wrapt.register_post_import_hook(_patch_alloc, "sglang.srt.mem_cache.allocator.token")
     if not (os.environ.get("OOBGUARD_FAULT") or os.environ.get("OOBGUARD_COUNT")):
         return
-    import wrapt
 
     wrapt.register_post_import_hook(_patch_runner, "sglang.srt.model_executor.model_runner")
     wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
@@ -253,3 +257,79 @@ def load() -> None:
                                         "sglang_oobguard.probes.hostmap")
         wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "launch", _counter("probes")),
                                         "sglang_oobguard.probes.stepkernel")
+
+
+# -- OOBGUARD_TRANSFER=hold=S: a KV transfer that takes S seconds, on the fake backend --------
+# The fake receiver concludes at the first poll after send_metadata; here each transfer is held at
+# Transferring for S seconds after its send (unless aborted first), as a real RDMA write would be,
+# and the fake manager gets a drain signal (`is_abort_release_safe`: the simulated write into the
+# room's pages has ended), as mooncake / nixl / mori's have. Each alloc of the tracked allocators
+# is compared with the pages still being written: a page handed out again while its transfer is in
+# flight is printed ("handed out while in flight").
+_inflight: dict[int, tuple[float, set]] = {}  # bootstrap room -> (the simulated write's end, its pages)
+
+
+def _hold() -> float:
+    return float(dict(part.split("=", 1) for part in os.environ["OOBGUARD_TRANSFER"].split(","))["hold"])
+
+
+def _receiver_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    instance.__dict__["_fi_room"] = kwargs.get("bootstrap_room", args[2] if len(args) > 2 else None)
+
+
+def _send_metadata(wrapped, instance, args, kwargs):
+    import time
+
+    pages = args[0] if args else kwargs["kv_indices"]
+    _inflight[instance.__dict__["_fi_room"]] = (time.monotonic() + _hold(), {int(p) for p in pages})
+    return wrapped(*args, **kwargs)
+
+
+def _poll(wrapped, instance, args, kwargs):
+    import time
+
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    sent = _inflight.get(instance.__dict__.get("_fi_room"))
+    if instance.conclude_state is None and instance.has_sent_metadata and sent and time.monotonic() < sent[0]:
+        return KVPoll.Transferring
+    return wrapped(*args, **kwargs)
+
+
+def _drained(self, room, required_acks) -> bool:
+    import time
+
+    sent = _inflight.get(room)
+    return sent is None or time.monotonic() >= sent[0]
+
+
+def _alloc(wrapped, instance, args, kwargs):
+    import time
+
+    result = wrapped(*args, **kwargs)
+    if result is not None and instance.page_size == 1:
+        now = time.monotonic()
+        ids = {int(i) for i in result.tolist()}
+        for room, (end, pages) in _inflight.items():
+            if now < end and ids & pages:
+                print(f"oobguard_faultinject: pages {sorted(ids & pages)[:8]} handed out while in flight "
+                      f"(room {room}, {end - now:.1f} s of its transfer left)", file=sys.stderr, flush=True)
+    return result
+
+
+def _patch_fake(module) -> None:
+    import wrapt
+
+    wrapt.wrap_function_wrapper(module, "FakeKVReceiver.__init__", _receiver_init)
+    wrapt.wrap_function_wrapper(module, "FakeKVReceiver.send_metadata", _send_metadata)
+    wrapt.wrap_function_wrapper(module, "FakeKVReceiver.poll", _poll)
+    module.FakeKVManager.enable_deferred_decode_kv_release = True
+    module.FakeKVManager.is_abort_release_safe = _drained
+
+
+def _patch_alloc(module) -> None:
+    import wrapt
+
+    wrapt.wrap_function_wrapper(module, "TokenToKVPoolAllocator.alloc", _alloc)
+

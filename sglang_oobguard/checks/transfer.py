@@ -1,0 +1,258 @@
+"""Transfer: PD decode's KV destination pages, checked as they are sent and kept in flight until the write ends.
+
+Under PD disaggregation the decode side allocates pages and sends their ids to the
+prefill side, whose transfer engine (mooncake, nixl, mori) writes KV into them by
+RDMA: no pool method and no out_cache_loc ever sees that write, only the ids. So
+(with liveness on) the ids are checked where sglang sends them
+(`DecodePreallocQueue._send_kv_metadata`): inside the page space, live, and the
+request's own (its req_to_token row). From then on the pages are in flight until
+the transfer has really ended: a Success poll; or, after a failure or an abort, the
+backend's drain signal (`kv_mgr.is_abort_release_safe`, armed by sglang's deferred
+release). Neither a Failed poll after an abort nor sglang's release-anyway timeout
+is the end: the prefill side may still be writing. A backend with no armed drain
+signal (the fake one, or the deferred release switched off) ends at Failed.
+
+A free of an in-flight page (the tracked allocators' frees, on the host) is a
+violation. Warn mode holds such pages back from the free list until the transfer
+ends, then frees them through the allocator as sglang asked; while it holds any,
+`has_pending_deferred_releases` says so, as sglang's own deferred release does, so
+the idle leak check waits and the loop keeps resolving. A hold whose drain signal
+never comes is given back after sglang's own deferred-release timeout, logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from ..model.config import Mode
+from ..model.log import logger
+from ..model.targets import DRAIN_ARMED, DRAIN_SIGNAL
+from ..model.violation import Kind, site_id
+from ..probes.pools import LIVE_ATTR, PoolState
+from ..probes.record import Record
+from ..report.reporter import KVOutOfBoundsError
+
+Guard = Any  # the active checks.guard.Guard (which holds the Transfers: not imported back)
+
+SEND_LABEL = "send_metadata (PD decode KV destination pages)"
+
+
+@dataclasses.dataclass(eq=False)
+class Transfer:
+    """One request's KV transfer into decode pages, from its send on."""
+
+    state: PoolState  # the destination pool's (its shadow's page space)
+    pages: np.ndarray  # page ids, int64
+    rid: str
+    room: Optional[int]
+    step: int  # the forward step number when it was sent
+    receiver: Any  # sglang's KVReceiver: its manager gives the drain signal
+    request: Any  # the DecodeRequest (kept while in flight, for its id)
+    failed: bool = False
+    succeeded: bool = False
+    held: list = dataclasses.field(default_factory=list)  # warn mode: (the allocator's free, ids) held back
+    held_since: float = 0.0
+
+    def ended(self) -> bool:
+        """Succeeded; or failed, and drained where the backend can say so (as sglang asks it)."""
+        if self.succeeded:
+            return True
+        if not self.failed:
+            return False
+        manager = getattr(self.receiver, "kv_mgr", None)
+        drained = getattr(manager, DRAIN_SIGNAL, None)
+        if drained is None or not getattr(manager, DRAIN_ARMED, False):
+            return True
+        acks = len(getattr(self.receiver, "bootstrap_infos", None) or ()) \
+            if getattr(self.receiver, "abort_notified", False) else 0
+        return bool(drained(self.room, acks))
+
+
+def _hold_limit_s() -> float:
+    """sglang's own deferred-release timeout: a hold never outlasts what sglang would wait."""
+    try:
+        from sglang.srt.environ import envs
+
+        return float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
+    except Exception:
+        return 30.0
+
+
+class Transfers:
+    """The guard's transfers in flight, by request and by page."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[int, Transfer] = {}
+        self.by_page: dict[int, dict[int, Transfer]] = {}  # pool serial -> page -> transfer
+
+    def add(self, transfer: Transfer) -> None:
+        self.drop(self.by_request.get(id(transfer.request)))
+        self.by_request[id(transfer.request)] = transfer
+        pages = self.by_page.setdefault(transfer.state.serial, {})
+        pages.update(dict.fromkeys(transfer.pages.tolist(), transfer))
+
+    def drop(self, transfer: Optional[Transfer]) -> None:
+        if transfer is None:
+            return
+        if self.by_request.get(id(transfer.request)) is transfer:
+            del self.by_request[id(transfer.request)]
+        pages = self.by_page.get(transfer.state.serial, {})
+        for page in transfer.pages.tolist():
+            if pages.get(page) is transfer:
+                del pages[page]
+
+    def forget(self, state: PoolState) -> None:
+        """The allocator's clear: every page went back, held ones too."""
+        for transfer in list(self.by_request.values()):
+            if transfer.state is state:
+                self.drop(transfer)
+
+    def holding(self) -> bool:
+        return any(transfer.held for transfer in self.by_request.values())
+
+    def settle(self) -> None:
+        """Drop the transfers that ended; give back what warn mode held of them."""
+        limit = None
+        for transfer in list(self.by_request.values()):
+            overdue = False
+            if transfer.held and not transfer.ended():
+                limit = _hold_limit_s() if limit is None else limit
+                overdue = time.monotonic() - transfer.held_since >= limit
+                if not overdue:
+                    continue
+                logger.warning("sglang_oobguard: no drain signal for the KV transfer of request %s (bootstrap room "
+                               "%s) after %.0f s: the %d pages held back go to the free list now", transfer.rid,
+                               transfer.room, limit, len(transfer.pages))
+            elif not transfer.ended():
+                continue
+            elif transfer.held:
+                logger.info("sglang_oobguard: the KV transfer of request %s (bootstrap room %s) ended: the %d pages "
+                            "held back go to the free list", transfer.rid, transfer.room, len(transfer.pages))
+            self.drop(transfer)
+            for free, ids in transfer.held:
+                free(ids)
+            transfer.held.clear()
+
+
+# -- the hooks on sglang's decode queues ---------------------------------------------
+
+
+def send(guard: Guard, queue: Any, decode_req: Any, kv_indices: Any, page_size: int, *rest: Any,
+         **kwargs: Any) -> None:
+    """Check the destination pages of one request as `_send_kv_metadata` sends them,
+    then count them in flight."""
+    if getattr(kwargs.get("destination"), "name", "DEVICE") == "HOST":
+        return  # host staging buffers, not the device pool's pages
+    allocator = queue.token_to_kv_pool_allocator
+    state: Optional[PoolState] = allocator.__dict__.get(LIVE_ATTR)
+    if state is None or state.live is None:
+        return
+    live = state.live.as_pages()
+    if page_size != state.live.page:
+        if guard.first_time("transfer page size"):
+            logger.warning("sglang_oobguard: KV transfer pages of %d tokens on a pool paged by %d: not checked",
+                           page_size, state.live.page)
+        return
+    pages = np.asarray(queue._transfer_page_indices(decode_req, kv_indices, page_size), dtype=np.int64).reshape(-1)
+    req = decode_req.req
+    row = queue.req_to_token_pool.req_to_token[getattr(getattr(req, "kv", req), "req_pool_idx")]
+    prefix = int(kwargs.get("decode_prefix_len") or 0)
+    own = (row[prefix:len(req.origin_input_ids)][::page_size] // page_size).cpu().numpy().astype(np.int64)
+    flags = state.live.flags.cpu().numpy()
+    inside = (pages >= 0) & (pages < live.pages)
+    kinds = np.full(pages.shape, -1)
+    kinds[~inside] = Kind.BOUNDS
+    kinds[(kinds < 0) & ~(flags[np.where(inside, pages, live.pages)] != 0)] = Kind.FREED
+    expected = np.full(pages.shape, -1)
+    expected[:min(len(own), len(pages))] = own[:len(pages)]
+    kinds[(kinds < 0) & (expected != pages)] = Kind.OTHER_REQUEST
+    room = getattr(req, "bootstrap_room", None)
+    bad = np.flatnonzero(kinds >= 0)
+    if bad.size:
+        pos = int(bad[0])
+        guard.report_now(state, Record(int(bad.size), 1, site_id(SEND_LABEL), -1, live.pages, int(bad.size),
+                                       pages.size, pos, int(pages[pos]), guard.steps.number, int(kinds[pos]),
+                                       expected=int(expected[pos])), request=str(req.rid), room=room)
+    guard.transfers.add(Transfer(state, pages[inside], str(req.rid), room, guard.steps.number,
+                                 decode_req.kv_receiver, decode_req))
+
+
+def polled(guard: Guard, queue: Any, polls: Any) -> None:
+    """The polls of the transfer queue, one per request in its queue: Success ends a
+    transfer; Failed ends it when the drain signal says so (`Transfer.ended`)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    book = guard.transfers
+    for decode_req, poll in zip(queue.queue, polls):
+        transfer = book.by_request.get(id(decode_req))
+        if transfer is None:
+            continue
+        if poll == KVPoll.Success:
+            transfer.succeeded = True
+        elif poll == KVPoll.Failed:
+            transfer.failed = True
+    book.settle()
+
+
+def on_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool,
+            free: Callable[[torch.Tensor], Any]) -> Optional[torch.Tensor]:
+    """A free on the host: report the in-flight pages it names. Returns the ids to free
+    now (warn mode: the others, held back until their transfer ends), or None: free all."""
+    book = guard.transfers
+    flying = book.by_page.get(state.serial)
+    if not flying:
+        return None
+    book.settle()
+    assert state.live is not None
+    flat = ids.reshape(-1).to(torch.int64).numpy()
+    pages = flat if in_pages else flat // state.live.page
+    hit = np.isin(pages, np.fromiter(flying, dtype=np.int64, count=len(flying)))
+    if not hit.any():
+        return None
+    pos = int(np.argmax(hit))
+    transfer = flying[int(pages[pos])]
+    held = ids.reshape(-1)[torch.from_numpy(hit)]
+    if guard.config.mode is Mode.WARN:
+        if not transfer.held:
+            transfer.held_since = time.monotonic()
+        transfer.held.append((free, held.clone()))
+    count = int(np.unique(pages[hit]).size)
+    guard.report_now(state, Record(count, 1, site, -1, state.live.pages, count, int(np.unique(pages).size), pos,
+                                   int(pages[pos]), guard.steps.number, Kind.IN_FLIGHT),
+                     request=transfer.rid, room=transfer.room, sent_step=transfer.step)
+    return ids.reshape(-1)[torch.from_numpy(~hit)]
+
+
+def make_hook(kind: str, guard: Guard) -> Callable[..., Any]:
+    """The wrapt wrapper of one TRANSFER_HOOKS method; the guard's own work never
+    raises into sglang, only a reported violation does (strict, raise)."""
+
+    def quietly(work: Callable[[], Any]) -> None:
+        try:
+            work()
+        except KVOutOfBoundsError:
+            raise
+        except Exception as exc:
+            guard.internal_error(f"KV transfer {kind}", exc)
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        if not guard.config.liveness:
+            return wrapped(*args, **kwargs)
+        if kind == "send":
+            quietly(lambda: send(guard, instance, *args, **kwargs))
+            return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        if kind == "poll":
+            quietly(lambda: polled(guard, instance, result))
+        elif kind == "resolve":
+            quietly(guard.transfers.settle)
+        elif kind == "pending" and not result:
+            return guard.transfers.holding()
+        return result
+
+    return wrapper

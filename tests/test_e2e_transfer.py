@@ -1,0 +1,73 @@
+"""End to end: PD disaggregation's decode side, the real sglang Engine on the CPU with the fake
+transfer backend (`disaggregation_mode="decode"`; tests/e2e/engine_run.py's `decode` workload),
+the guard with liveness on (its KV transfer check, `checks/transfer.py`).
+
+The fake receiver concludes at once; the fault plugin's OOBGUARD_TRANSFER=hold=3 makes each
+transfer take 3 s and gives the fake manager a drain signal, as a real backend's RDMA write and
+abort acknowledgement would. A request aborted 0.6 s after its send then has its pages freed
+while the write into them is in flight; three more requests than the pool has left follow it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from e2e.harness import run_engine
+from helpers import needs
+
+pytestmark = pytest.mark.e2e
+
+LIVE = {"SGLANG_OOBGUARD_LIVENESS": "1", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0"}
+HOLD = {"OOBGUARD_TRANSFER": "hold=3"}
+HANDED = re.compile(r"oobguard_faultinject: pages \[[\d, ]+\] handed out while in flight \(room 100,")
+REPORT = re.compile(r"free \(TokenToKVPoolAllocator\): page (\d+) freed while a KV transfer into it is in flight "
+                    r"\(request victim, bootstrap room 100, sent [^)]*\) \((\d+) of (\d+) freed pages in flight\)")
+FOLLOWERS = {"follower0", "follower1", "follower2"}
+
+
+@pytest.fixture(autouse=True)
+def _decode_side():
+    needs("DecodePreallocQueue._send_kv_metadata")
+
+
+def reported(run) -> list[str]:
+    return [line for line in run.log.splitlines() if "sglang_oobguard:" in line and "freed while" in line]
+
+
+def test_decode_with_the_fake_backend_is_clean_and_unchanged_under_strict_liveness(model):
+    reference = run_engine(model, {}, workload="decode")
+    assert reference.returncode == 0 and reference.result["by_rid"], reference.log[-3000:]
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload="decode")
+    assert run.returncode == 0 and not run.result["errors"], run.log[-3000:]
+    assert "sglang_oobguard active" in run.log and "KVOutOfBoundsError" not in run.log
+    assert run.result["by_rid"] == reference.result["by_rid"]
+    assert sorted(run.result["by_rid"]) == ["d0", "d1", "d2", "d3"] and not run.leftovers
+
+
+def test_baseline_unguarded_an_aborted_transfer_pages_go_to_the_next_request_in_flight(model):
+    """What the guard is for: without it, another request gets the pages still being written."""
+    run = run_engine(model, HOLD, workload="decode", options=("abort",))
+    assert run.returncode == 0 and FOLLOWERS <= set(run.result["by_rid"]), run.log[-3000:]
+    assert HANDED.search(run.log), run.log[-3000:]
+    assert "sglang_oobguard" not in run.log
+
+
+def test_strict_reports_the_in_flight_free_naming_the_request_and_pages(model):
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE, **HOLD}, workload="decode",
+                     options=("abort",))
+    found = REPORT.search(run.log)
+    assert found and "KVOutOfBoundsError" in run.log, run.log[-3000:]
+    assert found.group(2) == found.group(3) == "60"  # the victim's 60 prompt pages, all in flight
+    assert run.result is None and run.returncode != 0 and not run.leftovers  # reported at the free, not hung
+    assert not HANDED.search(run.log)
+
+
+def test_warn_holds_the_pages_until_the_transfer_ends_and_serves_the_others(model):
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", **LIVE, **HOLD}, workload="decode", options=("abort",))
+    assert run.returncode == 0 and FOLLOWERS <= set(run.result["by_rid"]), run.log[-3000:]
+    assert all(len(run.result["by_rid"][rid]) == 8 for rid in FOLLOWERS)
+    assert len(reported(run)) == 1 and REPORT.search(reported(run)[0]), run.log[-3000:]
+    assert not HANDED.search(run.log)  # nothing handed out while the write into it ran
+    assert "the KV transfer of request victim (bootstrap room 100) ended: the 60 pages held back" in run.log
+    assert not run.leftovers
