@@ -1,0 +1,170 @@
+"""The KV transfer check (checks/transfer.py) on sglang's real decode-side send
+(`DecodePreallocQueue._send_kv_metadata`), the real fake-backend receiver, a real MHA pool
+with sglang's token allocator and ReqToTokenPool: destination pages outside the page space,
+freed, or another request's are reported at the send; a free of pages in flight is reported
+until the transfer really ended, and warn mode holds them back until then.
+
+The queues are built without their constructors (which need a scheduler, a transfer
+backend and process groups): only the attributes `_send_kv_metadata` reads are set."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import sglang_oobguard
+from helpers import mha, needs, token_allocator
+from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.checks import transfer
+
+TOKENS = 8  # the request's prompt: 8 tokens, page size 1
+
+
+@pytest.fixture
+def decode():
+    needs("DecodePreallocQueue._send_kv_metadata")
+    from sglang.srt.disaggregation import decode
+
+    return decode
+
+
+@pytest.fixture
+def side(mp, guard, decode):
+    """make(mode): the guard with liveness, a pool, its allocator, a request row holding 8 slots."""
+    from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+    from sglang.srt.mem_cache import allocator as allocators
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    def make(mode: str):
+        guard(mode, liveness=True)
+        pool = mha(mp, 64)
+        alloc = token_allocator(allocators, pool)
+        rows = ReqToTokenPool(4, 32, "cpu", False)
+        queue = object.__new__(decode.DecodePreallocQueue)
+        queue.__dict__.update(token_to_kv_pool_allocator=alloc, req_to_token_pool=rows, _num_published_destinations=0,
+                              req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(4),
+                              transfer_queue=SimpleNamespace(enable_staging=False))
+        manager = FakeKVManager(None, None, None)
+
+        def request(rid: str, row: int, room: int):
+            slots = alloc.alloc(TOKENS)
+            rows.req_to_token[row, :TOKENS] = slots
+            req = SimpleNamespace(rid=rid, kv=SimpleNamespace(req_pool_idx=row), origin_input_ids=list(range(TOKENS)),
+                                  bootstrap_room=room, time_stats=SimpleNamespace(
+                                      set_decode_transfer_queue_entry_time=lambda: None))
+            return decode.DecodeRequest(req=req, kv_receiver=FakeKVReceiver(manager, "2.2.2.2", room)), slots
+
+        return SimpleNamespace(alloc=alloc, rows=rows, queue=queue, manager=manager, request=request)
+
+    return make
+
+
+def send(side, decode_req, ids):
+    side.queue._send_kv_metadata(decode_req, ids, 1, None, decode_prefix_len=0)
+
+
+def test_a_clean_send_passes_on_and_its_pages_are_in_flight(side):
+    s = side("strict")
+    req, slots = s.request("r0", 0, 7)
+    send(s, req, slots)
+    assert req.kv_receiver.has_sent_metadata  # sglang's send went on
+    guard = sglang_oobguard.activate.instrument._active.guard
+    assert set(guard.transfers.by_page[next(iter(guard.transfers.by_page))]) == set(slots.tolist())
+
+
+@pytest.mark.parametrize("fault,kind,text", [
+    ("high", "bounds", "outside [0, 65)"),
+    ("freed", "freed", "is not allocated (freed)"),
+    ("other", "other_request", "is not this token's slot (req_to_token holds"),
+])
+def test_bad_destination_pages_are_reported_at_the_send_naming_the_request(side, fault, kind, text):
+    s = side("strict")
+    req, slots = s.request("r0", 0, 7)
+    other, theirs = s.request("r1", 1, 8)
+    bad = slots.clone()
+    if fault == "high":
+        bad[3] = 70
+    elif fault == "freed":
+        s.alloc.free(slots[3:4])
+    else:
+        bad[3] = theirs[0]
+    with pytest.raises(KVOutOfBoundsError) as info:
+        send(s, req, bad)
+    violation = info.value.violation
+    assert (violation.kind, violation.pos, violation.request, violation.room) == (kind, 3, "r0", 7)
+    assert violation.label == transfer.SEND_LABEL and text in str(violation)
+    assert not req.kv_receiver.has_sent_metadata  # strict: raised before the pages reached prefill
+
+
+def poll(s, req, state):
+    """The transfer queue's poll of one request, as the hook sees its result."""
+    guard = sglang_oobguard.activate.instrument._active.guard
+    transfer.polled(guard, SimpleNamespace(queue=[req]), [state])
+
+
+def test_a_free_in_flight_is_reported_until_success(side):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    s = side("strict")
+    req, slots = s.request("r0", 0, 7)
+    send(s, req, slots)
+    with pytest.raises(KVOutOfBoundsError) as info:
+        s.alloc.free(slots)
+    violation = info.value.violation
+    assert (violation.kind, violation.request, violation.room, violation.bad) == ("in_flight", "r0", 7, TOKENS)
+    assert f"page {int(slots[0])} freed while a KV transfer into it is in flight (request r0, bootstrap room 7" \
+        in str(violation)
+    poll(s, req, KVPoll.Success)
+    s.alloc.free(slots)  # the write ended: a free like any other
+
+
+def test_failed_ends_a_transfer_only_where_no_drain_signal_is_armed(side, monkeypatch):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    s = side("strict")
+    req, slots = s.request("r0", 0, 7)
+    send(s, req, slots)
+    drained = []
+    monkeypatch.setattr(type(s.manager), "enable_deferred_decode_kv_release", True)
+    monkeypatch.setattr(type(s.manager), "is_abort_release_safe", lambda self, room, acks: bool(drained), raising=False)
+    req.kv_receiver.abort()
+    poll(s, req, KVPoll.Failed)
+    with pytest.raises(KVOutOfBoundsError):  # aborted, Failed, but the backend has not drained
+        s.alloc.free(slots)
+    drained.append(True)
+    s.alloc.free(slots)
+    other, theirs = s.request("r1", 1, 8)
+    send(s, other, theirs)
+    monkeypatch.setattr(type(s.manager), "enable_deferred_decode_kv_release", False)  # no drain signal armed
+    poll(s, other, KVPoll.Failed)
+    s.alloc.free(theirs)
+
+
+def test_warn_holds_in_flight_pages_back_and_gives_them_back_when_the_transfer_ends(side):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    s = side("warn")
+    req, slots = s.request("r0", 0, 7)
+    send(s, req, slots)
+    before = s.alloc.available_size()
+    s.alloc.free(slots)
+    assert s.alloc.available_size() == before  # held: not on the free list
+    assert sglang_oobguard.violations()[0].kind == "in_flight"
+    guard = sglang_oobguard.activate.instrument._active.guard
+    assert guard.transfers.holding()
+    poll(s, req, KVPoll.Success)
+    assert s.alloc.available_size() == before + TOKENS and not guard.transfers.holding()
+    everything = s.alloc.alloc(s.alloc.available_size())  # each slot once on the free list, the held ones back
+    assert len(set(everything.tolist())) == everything.numel() and set(slots.tolist()) <= set(everything.tolist())
+
+
+def test_a_clear_forgets_the_transfers_and_what_was_held(side):
+    s = side("warn")
+    req, slots = s.request("r0", 0, 7)
+    send(s, req, slots)
+    s.alloc.free(slots)
+    s.alloc.clear()
+    guard = sglang_oobguard.activate.instrument._active.guard
+    assert not guard.transfers.holding() and not guard.transfers.by_request
