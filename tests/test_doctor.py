@@ -8,7 +8,8 @@ import subprocess
 import venv
 from importlib.metadata import version
 
-from helpers import ROOT, run_python
+from helpers import ROOT, has, run_python
+from sglang_oobguard.model.targets import TRANSFER_HOOKS
 
 DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['doctor']))"
 # What the doctor's own discovery should list, from the same walk in a second interpreter.
@@ -58,6 +59,12 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
         [methods["guarded"], methods["not"], methods["alone"]]
     assert f"guarded ({methods['guarded']} methods, of the pool classes of every pool module" in out
     assert f"not guarded ({methods['not']} methods):" in out or methods["not"] == 0
+    # the KV transfer check: each hook found (or named absent), and what it cannot see
+    state = "found in sglang.srt.disaggregation.decode" if has("DecodePreallocQueue._send_kv_metadata") else "ABSENT"
+    for owner, method, _ in TRANSFER_HOOKS:
+        assert any(f"{owner}.{method}" in line and state in line for line in sections["KV transfers"]), method
+    assert "the transfer engine's RDMA write itself is not observable" in out
+    assert "the fake backend (and any with the deferred release off) gives no drain signal" in out
 
 
 def section_rows(out: str) -> dict[str, list[str]]:

@@ -14,8 +14,9 @@ from typing import Any
 from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from ..model.quiet import quiet
-from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, is_supported,
-                             module_file, version_of_sglang, write_map_off)
+from ..model.targets import (DRAIN_ARMED, DRAIN_SIGNAL, FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, SUPPORTED, TESTED,
+                             TRANSFER_HOOKS, TRANSFER_MODULE, UNMAPPED, is_supported, module_file, version_of_sglang,
+                             write_map_off)
 from ..model.violation import site_label
 
 
@@ -107,6 +108,15 @@ def _outside_pools() -> list[str]:
         states = [found(module, "", writer.function) for module in writer.modules]
         here = next((state for state in states if state.startswith("found")), states[0])
         lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}")
+    from ..checks.transfer import HOOK_ROLES, NO_DRAIN  # needs torch: imported after _inspect checked for it
+
+    lines.append("KV transfers (PD disaggregation's decode side, with liveness; only the ids are seen, the transfer "
+                 "engine's RDMA write itself is not observable):")
+    for owner, method, kind in TRANSFER_HOOKS:
+        lines.append(f"  {owner + '.' + method:48} {HOOK_ROLES[kind]}: {found(TRANSFER_MODULE, owner, method)}")
+    lines += [f"  every backend's transfers (mooncake, nixl, mori, ascend, fake); an aborted one ends at the drain "
+              f"signal kv_mgr.{DRAIN_SIGNAL} (armed by {DRAIN_ARMED}), never at sglang's release-anyway timeout;",
+              f"  {NO_DRAIN}; the prefill side's source pages are not checked"]
     return lines
 
 

@@ -40,6 +40,15 @@ from ..report.reporter import KVOutOfBoundsError
 Guard = Any  # the active checks.guard.Guard (which holds the Transfers: not imported back)
 
 SEND_LABEL = "send_metadata (PD decode KV destination pages)"
+# What each hook of TRANSFER_HOOKS does (doctor's words).
+HOOK_ROLES = {
+    "send": "the destination pages: in the page space, live, the request's own row; in flight from here",
+    "poll": "Success ends a transfer; Failed ends it once the backend's drain signal says so",
+    "resolve": "warn mode gives back the pages it held once their transfer ended",
+    "pending": "warn mode's held pages count as a deferred release (sglang's idle leak check waits)",
+}
+NO_DRAIN = ("the fake backend (and any with the deferred release off) gives no drain signal: "
+            "Failed ends its transfers")
 
 
 @dataclasses.dataclass(eq=False)
