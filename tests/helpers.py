@@ -325,3 +325,42 @@ pool = MHATokenToKVPool(64, 1, torch.float32, 2, 4, 2, "cpu", False)
 k = torch.ones(len({ids}), 2, 4)
 pool.set_kv_buffer(Layer, torch.tensor({ids}), k, k)
 """ % str(ROOT)
+
+
+class DecodeSide:
+    """sglang's decode-side KV send over a real allocator: a `DecodePreallocQueue` built
+    without its constructor (which needs a scheduler, a transfer backend and process
+    groups; only the attributes `_send_kv_metadata` reads are set), a real ReqToTokenPool,
+    the fake backend's real manager and receivers. `request` allocates a request's slots
+    into its row; `send` sends them as the prealloc does (page size 1, no prefix)."""
+
+    def __init__(self, allocator, rows: int = 4, context: int = 32) -> None:
+        from types import SimpleNamespace
+
+        from sglang.srt.disaggregation import decode
+        from sglang.srt.disaggregation.fake.conn import FakeKVManager
+        from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        self.decode, self.alloc = decode, allocator
+        self.rows = ReqToTokenPool(rows, context, "cpu", False)
+        self.queue = object.__new__(decode.DecodePreallocQueue)
+        self.queue.__dict__.update(token_to_kv_pool_allocator=allocator, req_to_token_pool=self.rows,
+                                   _num_published_destinations=0, transfer_queue=SimpleNamespace(enable_staging=False),
+                                   req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(1 << 20))
+        self.manager = FakeKVManager(None, None, None)
+
+    def request(self, rid: str, row: int, room: int, tokens: int):
+        from types import SimpleNamespace
+
+        from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
+
+        slots = self.alloc.alloc(tokens)
+        self.rows.req_to_token[row, :tokens] = slots
+        req = SimpleNamespace(rid=rid, kv=SimpleNamespace(req_pool_idx=row), origin_input_ids=list(range(tokens)),
+                              bootstrap_room=room,
+                              time_stats=SimpleNamespace(set_decode_transfer_queue_entry_time=lambda: None))
+        return self.decode.DecodeRequest(req=req, kv_receiver=FakeKVReceiver(self.manager, "2.2.2.2", room)), slots
+
+    def send(self, decode_req, ids) -> None:
+        self.queue._send_kv_metadata(decode_req, ids, 1, None, decode_prefix_len=0)

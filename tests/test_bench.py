@@ -65,3 +65,11 @@ def test_engine_benchmark_prints_its_table_and_checks_the_tokens():
     assert [r[0] for r in own] == ["plugin + upstream"], out
     assert float(own[0][1]) > 0 and 0 < float(own[0][2]) < 100, out
     assert re.search(r"\bwrite [\d.]+\b", own[0][3]) and re.search(r"\bstep [\d.]+\b", own[0][3]), out
+
+
+def test_transfer_benchmark_prints_every_row():
+    out = run("bench/transfer.py", "--quick")
+    for call in ("send (one transfer)", "alloc + free (a request's pages)"):
+        for pages in (128, 2048):
+            assert re.search(rf"^\| {re.escape(call)} \| {pages} \| [\d.]+ us \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \| "
+                             rf"[\d.]+x \|$", out, re.M), out

@@ -3,18 +3,17 @@
 with sglang's token allocator and ReqToTokenPool: destination pages outside the page space,
 freed, or another request's are reported at the send; a free of pages in flight is reported
 until the transfer really ended, and warn mode holds them back until then.
-
-The queues are built without their constructors (which need a scheduler, a transfer
-backend and process groups): only the attributes `_send_kv_metadata` reads are set."""
+(helpers.DecodeSide says how the queue is built)."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 
 import sglang_oobguard
-from helpers import mha, needs, token_allocator
+from helpers import DecodeSide, mha, needs, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 from sglang_oobguard.checks import transfer
 
@@ -31,47 +30,26 @@ def decode():
 
 @pytest.fixture
 def side(mp, guard, decode):
-    """make(mode): the guard with liveness, a pool, its allocator, a request row holding 8 slots."""
-    from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVReceiver
-    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+    """make(mode): the guard with liveness, a real pool, its allocator, sglang's decode-side send."""
     from sglang.srt.mem_cache import allocator as allocators
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     def make(mode: str):
         guard(mode, liveness=True)
-        pool = mha(mp, 64)
-        alloc = token_allocator(allocators, pool)
-        rows = ReqToTokenPool(4, 32, "cpu", False)
-        queue = object.__new__(decode.DecodePreallocQueue)
-        queue.__dict__.update(token_to_kv_pool_allocator=alloc, req_to_token_pool=rows, _num_published_destinations=0,
-                              req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(4),
-                              transfer_queue=SimpleNamespace(enable_staging=False))
-        manager = FakeKVManager(None, None, None)
-
-        def request(rid: str, row: int, room: int):
-            slots = alloc.alloc(TOKENS)
-            rows.req_to_token[row, :TOKENS] = slots
-            req = SimpleNamespace(rid=rid, kv=SimpleNamespace(req_pool_idx=row), origin_input_ids=list(range(TOKENS)),
-                                  bootstrap_room=room, time_stats=SimpleNamespace(
-                                      set_decode_transfer_queue_entry_time=lambda: None))
-            return decode.DecodeRequest(req=req, kv_receiver=FakeKVReceiver(manager, "2.2.2.2", room)), slots
-
-        return SimpleNamespace(alloc=alloc, rows=rows, queue=queue, manager=manager, request=request)
+        side = DecodeSide(token_allocator(allocators, mha(mp, 64)))
+        side.request = functools.partial(side.request, tokens=TOKENS)
+        return side
 
     return make
-
-
-def send(side, decode_req, ids):
-    side.queue._send_kv_metadata(decode_req, ids, 1, None, decode_prefix_len=0)
 
 
 def test_a_clean_send_passes_on_and_its_pages_are_in_flight(side):
     s = side("strict")
     req, slots = s.request("r0", 0, 7)
-    send(s, req, slots)
+    s.send(req, slots)
     assert req.kv_receiver.has_sent_metadata  # sglang's send went on
     guard = sglang_oobguard.activate.instrument._active.guard
-    assert set(guard.transfers.by_page[next(iter(guard.transfers.by_page))]) == set(slots.tolist())
+    table = next(iter(guard.transfers.tables.values()))  # page -> the key of its transfer in flight
+    assert set(table.nonzero()[0].tolist()) == set(slots.tolist())
 
 
 @pytest.mark.parametrize("fault,kind,text", [
@@ -91,7 +69,7 @@ def test_bad_destination_pages_are_reported_at_the_send_naming_the_request(side,
     else:
         bad[3] = theirs[0]
     with pytest.raises(KVOutOfBoundsError) as info:
-        send(s, req, bad)
+        s.send(req, bad)
     violation = info.value.violation
     assert (violation.kind, violation.pos, violation.request, violation.room) == (kind, 3, "r0", 7)
     assert violation.label == transfer.SEND_LABEL and text in str(violation)
@@ -109,7 +87,7 @@ def test_a_free_in_flight_is_reported_until_success(side):
 
     s = side("strict")
     req, slots = s.request("r0", 0, 7)
-    send(s, req, slots)
+    s.send(req, slots)
     with pytest.raises(KVOutOfBoundsError) as info:
         s.alloc.free(slots)
     violation = info.value.violation
@@ -125,7 +103,7 @@ def test_failed_ends_a_transfer_only_where_no_drain_signal_is_armed(side, monkey
 
     s = side("strict")
     req, slots = s.request("r0", 0, 7)
-    send(s, req, slots)
+    s.send(req, slots)
     drained = []
     monkeypatch.setattr(type(s.manager), "enable_deferred_decode_kv_release", True)
     monkeypatch.setattr(type(s.manager), "is_abort_release_safe", lambda self, room, acks: bool(drained), raising=False)
@@ -136,7 +114,7 @@ def test_failed_ends_a_transfer_only_where_no_drain_signal_is_armed(side, monkey
     drained.append(True)
     s.alloc.free(slots)
     other, theirs = s.request("r1", 1, 8)
-    send(s, other, theirs)
+    s.send(other, theirs)
     monkeypatch.setattr(type(s.manager), "enable_deferred_decode_kv_release", False)  # no drain signal armed
     poll(s, other, KVPoll.Failed)
     s.alloc.free(theirs)
@@ -147,7 +125,7 @@ def test_warn_holds_in_flight_pages_back_and_gives_them_back_when_the_transfer_e
 
     s = side("warn")
     req, slots = s.request("r0", 0, 7)
-    send(s, req, slots)
+    s.send(req, slots)
     before = s.alloc.available_size()
     s.alloc.free(slots)
     assert s.alloc.available_size() == before  # held: not on the free list
@@ -163,7 +141,7 @@ def test_warn_holds_in_flight_pages_back_and_gives_them_back_when_the_transfer_e
 def test_a_clear_forgets_the_transfers_and_what_was_held(side):
     s = side("warn")
     req, slots = s.request("r0", 0, 7)
-    send(s, req, slots)
+    s.send(req, slots)
     s.alloc.free(slots)
     s.alloc.clear()
     guard = sglang_oobguard.activate.instrument._active.guard

@@ -23,6 +23,7 @@ never comes is given back after sglang's own deferred-release timeout, logged.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Any, Callable, Optional
 
@@ -66,6 +67,7 @@ class Transfer:
     succeeded: bool = False
     held: list = dataclasses.field(default_factory=list)  # warn mode: (the allocator's free, ids) held back
     held_since: float = 0.0
+    key: int = 0  # its number in Transfers
 
     def ended(self) -> bool:
         """Succeeded; or failed, and drained where the backend can say so (as sglang asks it)."""
@@ -93,41 +95,55 @@ def _hold_limit_s() -> float:
 
 
 class Transfers:
-    """The guard's transfers in flight, by request and by page."""
+    """The guard's transfers in flight: by request, and per pool a table from page to transfer."""
 
     def __init__(self) -> None:
         self.by_request: dict[int, Transfer] = {}
-        self.by_page: dict[int, dict[int, Transfer]] = {}  # pool serial -> page -> transfer
+        self.by_key: dict[int, Transfer] = {}
+        self.tables: dict[int, np.ndarray] = {}  # pool serial -> per page (then a sink): its transfer's key, 0: none
+        self._keys = itertools.count(1)
 
     def add(self, transfer: Transfer) -> None:
         self.drop(self.by_request.get(id(transfer.request)))
-        self.by_request[id(transfer.request)] = transfer
-        pages = self.by_page.setdefault(transfer.state.serial, {})
-        pages.update(dict.fromkeys(transfer.pages.tolist(), transfer))
+        transfer.key = next(self._keys)
+        self.by_request[id(transfer.request)] = self.by_key[transfer.key] = transfer
+        assert transfer.state.live is not None
+        table = self.tables.get(transfer.state.serial)
+        if table is None or table.size != transfer.state.live.pages + 1:
+            table = self.tables[transfer.state.serial] = np.zeros(transfer.state.live.pages + 1, dtype=np.int64)
+            for other in self.by_key.values():
+                if other.state is transfer.state:
+                    table[other.pages] = other.key
+        table[transfer.pages] = transfer.key
 
     def drop(self, transfer: Optional[Transfer]) -> None:
-        if transfer is None:
+        if transfer is None or self.by_key.pop(transfer.key, None) is None:
             return
         if self.by_request.get(id(transfer.request)) is transfer:
             del self.by_request[id(transfer.request)]
-        pages = self.by_page.get(transfer.state.serial, {})
-        for page in transfer.pages.tolist():
-            if pages.get(page) is transfer:
-                del pages[page]
+        table = self.tables.get(transfer.state.serial)
+        if table is not None:
+            pages = transfer.pages[table[transfer.pages] == transfer.key]
+            table[pages] = 0
+
+    def in_flight(self, state: PoolState, pages: np.ndarray) -> np.ndarray:
+        """Per page: the key of the transfer in flight into it, 0 for none."""
+        table = self.tables[state.serial]
+        return table[np.where((pages >= 0) & (pages < table.size - 1), pages, table.size - 1)]
 
     def forget(self, state: PoolState) -> None:
         """The allocator's clear: every page went back, held ones too."""
-        for transfer in list(self.by_request.values()):
+        for transfer in list(self.by_key.values()):
             if transfer.state is state:
                 self.drop(transfer)
 
     def holding(self) -> bool:
-        return any(transfer.held for transfer in self.by_request.values())
+        return any(transfer.held for transfer in self.by_key.values())
 
     def settle(self) -> None:
         """Drop the transfers that ended; give back what warn mode held of them."""
         limit = None
-        for transfer in list(self.by_request.values()):
+        for transfer in list(self.by_key.values()):
             overdue = False
             if transfer.held and not transfer.ended():
                 limit = _hold_limit_s() if limit is None else limit
@@ -213,18 +229,18 @@ def on_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pag
     """A free on the host: report the in-flight pages it names. Returns the ids to free
     now (warn mode: the others, held back until their transfer ends), or None: free all."""
     book = guard.transfers
-    flying = book.by_page.get(state.serial)
-    if not flying:
+    if not book.by_key or state.serial not in book.tables:
         return None
     book.settle()
     assert state.live is not None
     flat = ids.reshape(-1).to(torch.int64).numpy()
     pages = flat if in_pages else flat // state.live.page
-    hit = np.isin(pages, np.fromiter(flying, dtype=np.int64, count=len(flying)))
+    keys = book.in_flight(state, pages)
+    hit = keys != 0
     if not hit.any():
         return None
     pos = int(np.argmax(hit))
-    transfer = flying[int(pages[pos])]
+    transfer = book.by_key[int(keys[pos])]
     held = ids.reshape(-1)[torch.from_numpy(hit)]
     if guard.config.mode is Mode.WARN:
         if not transfer.held:
