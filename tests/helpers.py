@@ -136,6 +136,9 @@ FACTS: dict[str, Fact] = {
     # PD disaggregation's decode side: the queue methods the KV transfer check hooks
     "DecodePreallocQueue._send_kv_metadata": Fact(
         _has("sglang.srt.disaggregation.decode", "DecodePreallocQueue._send_kv_metadata"), "? (checked on 0.5.23)"),
+    "SchedulerDisaggregationPrefillMixin._send_kv_chunk": Fact(
+        _has("sglang.srt.disaggregation.prefill", "SchedulerDisaggregationPrefillMixin._send_kv_chunk"),
+        "? (checked on 0.5.23)"),
     # the speculative CPU ops the stand-in comparisons (tests/test_standins.py) run
     "assign_req_to_token_pool": Fact(_has("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool"), "0.5.16"),
     "assign_extend_cache_locs": Fact(_has(f"{SPECULATIVE}.cache_locs", "assign_extend_cache_locs"), "0.5.16"),

@@ -60,8 +60,9 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
     assert f"guarded ({methods['guarded']} methods, of the pool classes of every pool module" in out
     assert f"not guarded ({methods['not']} methods):" in out or methods["not"] == 0
     # the KV transfer check: each hook found (or named absent), and what it cannot see
-    state = "found in sglang.srt.disaggregation.decode" if has("DecodePreallocQueue._send_kv_metadata") else "ABSENT"
-    for owner, method, _ in TRANSFER_HOOKS:
+    facts = {"decode": "DecodePreallocQueue._send_kv_metadata", "prefill": "SchedulerDisaggregationPrefillMixin._send_kv_chunk"}
+    for module, owner, method, _ in TRANSFER_HOOKS:
+        state = f"found in {module}" if has(facts[module.rsplit(".", 1)[1]]) else "ABSENT"
         assert any(f"{owner}.{method}" in line and state in line for line in sections["KV transfers"]), method
     assert "the transfer engine's RDMA write itself is not observable" in out
     assert "the fake backend (and any with the deferred release off) gives no drain signal" in out

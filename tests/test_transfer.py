@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import torch
+
 import pytest
 
 import sglang_oobguard
@@ -146,3 +148,53 @@ def test_a_clear_forgets_the_transfers_and_what_was_held(side):
     s.alloc.clear()
     guard = sglang_oobguard.activate.instrument._active.guard
     assert not guard.transfers.holding() and not guard.transfers.by_request
+
+
+@pytest.fixture
+def prefill(mp, guard):
+    """make(mode): sglang's prefill-side chunk send (`_send_kv_chunk`, its mixin built without a
+    scheduler: only the attributes a non-last chunk reads are set) over a real pool and allocator,
+    and a request of 8 prompt tokens with the fake backend's real sender."""
+    needs("SchedulerDisaggregationPrefillMixin._send_kv_chunk")
+    from sglang.srt.disaggregation.fake.conn import FakeKVManager, FakeKVSender
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+    from sglang.srt.mem_cache import allocator as allocators
+
+    def make(mode: str):
+        guard(mode, liveness=True)
+        side = DecodeSide(token_allocator(allocators, mha(mp, 64)))  # its allocator and ReqToTokenPool
+        scheduler = object.__new__(SchedulerDisaggregationPrefillMixin)
+        scheduler.__dict__.update(token_to_kv_pool_allocator=side.alloc, req_to_token_pool=side.rows,
+                                  enable_staging=False, disagg_prefill_pending_chunk_rids=set())
+        reqs = []
+        for row in range(2):
+            slots = side.alloc.alloc(TOKENS)
+            side.rows.req_to_token[row, :TOKENS] = slots
+            reqs.append(SimpleNamespace(rid=f"p{row}", kv=SimpleNamespace(req_pool_idx=row), bootstrap_room=20 + row,
+                                        origin_input_ids=list(range(TOKENS)), extend_end=TOKENS, start_send_idx=0,
+                                        disagg_decode_prefix_len=0,
+                                        disagg_kv_sender=FakeKVSender(FakeKVManager(None, None, None), "h", 20 + row)))
+        return side, scheduler, reqs
+
+    return make
+
+
+def test_prefill_sends_of_the_rows_own_live_pages_pass(prefill):
+    side, scheduler, (req, _) = prefill("strict")
+    scheduler._send_kv_chunk(req)
+    assert req.disagg_kv_sender.has_sent and req.start_send_idx == TOKENS  # sglang's send went on
+
+
+@pytest.mark.parametrize("fault,kind", [("freed", "freed"), ("other", "other_request")])
+def test_prefill_source_pages_freed_or_of_another_request_are_reported(prefill, monkeypatch, fault, kind):
+    side, scheduler, (req, other) = prefill("strict")
+    if fault == "freed":  # the row still names a slot given back
+        side.alloc.free(side.rows.req_to_token[0, 2:3].clone())
+    else:  # a translation that maps slot 2 of the row to the other request's first slot
+        monkeypatch.setattr(type(side.alloc), "translate_kv_indices_for_transfer",
+                            lambda self, ids: torch.cat([ids[:2], side.rows.req_to_token[1, :1], ids[3:]]))
+    with pytest.raises(KVOutOfBoundsError) as info:
+        scheduler._send_kv_chunk(req)
+    violation = info.value.violation
+    assert (violation.kind, violation.pos, violation.request, violation.room) == (kind, 2, "p0", 20)
+    assert violation.label == transfer.SOURCE_LABEL and not req.disagg_kv_sender.has_sent

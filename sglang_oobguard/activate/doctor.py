@@ -15,7 +15,7 @@ from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from ..model.quiet import quiet
 from ..model.targets import (DRAIN_ARMED, DRAIN_SIGNAL, FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, SUPPORTED, TESTED,
-                             TRANSFER_HOOKS, TRANSFER_MODULE, UNMAPPED, is_supported, module_file, version_of_sglang,
+                             TRANSFER_HOOKS, UNMAPPED, is_supported, module_file, version_of_sglang,
                              write_map_off)
 from ..model.violation import site_label
 
@@ -110,13 +110,13 @@ def _outside_pools() -> list[str]:
         lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}")
     from ..checks.transfer import HOOK_ROLES, NO_DRAIN  # needs torch: imported after _inspect checked for it
 
-    lines.append("KV transfers (PD disaggregation's decode side, with liveness; only the ids are seen, the transfer "
+    lines.append("KV transfers (PD disaggregation, with liveness; only the ids are seen, the transfer "
                  "engine's RDMA write itself is not observable):")
-    for owner, method, kind in TRANSFER_HOOKS:
-        lines.append(f"  {owner + '.' + method:48} {HOOK_ROLES[kind]}: {found(TRANSFER_MODULE, owner, method)}")
+    for module, owner, method, kind in TRANSFER_HOOKS:
+        lines.append(f"  {owner + '.' + method:48} {HOOK_ROLES[kind]}: {found(module, owner, method)}")
     lines += [f"  every backend's transfers (mooncake, nixl, mori, ascend, fake); an aborted one ends at the drain "
               f"signal kv_mgr.{DRAIN_SIGNAL} (armed by {DRAIN_ARMED}), never at sglang's release-anyway timeout;",
-              f"  {NO_DRAIN}; the prefill side's source pages are not checked"]
+              f"  {NO_DRAIN}; the prefill side's sends are checked where a sender's send is wrapped at its first call"]
     return lines
 
 

@@ -33,7 +33,7 @@ from ..model import config as config_mod
 from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover, pool_classes,
                               resolve, write_methods)
 from ..model.log import ensure_visible, logger
-from ..model.targets import (FUSED_WRITERS, STEP_HOOK, TRANSFER_HOOKS, TRANSFER_MODULE, UNMAPPED, UPSTREAM_PROBE,
+from ..model.targets import (FUSED_WRITERS, STEP_HOOK, TRANSFER_HOOKS, TRANSFER_MODULES, UNMAPPED, UPSTREAM_PROBE,
                              is_supported, module_file, version_of_sglang, write_map_off)
 from ..model.violation import Violation
 from ..report.files import open_report
@@ -196,14 +196,20 @@ class Instrumentor:
 
 
 def _hook_transfers(instrumentor: Instrumentor, module: ModuleType) -> None:
-    """PD decode's queues: each hook whose method this sglang has (`checks.transfer`)."""
-    for owner, method, kind in TRANSFER_HOOKS:
+    """PD disaggregation's queues: each hook whose method this sglang has (`checks.transfer`)."""
+    guard = instrumentor.guard
+
+    def wrap_send(cls: type) -> None:  # a KV sender class, as the first send of its backend comes
+        instrumentor._wrap(cls, "send", make_transfer_hook("source", guard, wrap_send))
+
+    for where, owner, method, kind in TRANSFER_HOOKS:
+        if where != module.__name__:
+            continue
         cls = getattr(module, owner, None)
         if cls is None or method not in cls.__dict__:
-            logger.warning("sglang_oobguard: %s.%s.%s not found: the KV transfer check misses it",
-                           TRANSFER_MODULE, owner, method)
+            logger.warning("sglang_oobguard: %s.%s.%s not found: the KV transfer check misses it", where, owner, method)
             continue
-        instrumentor._wrap(cls, method, make_transfer_hook(kind, instrumentor.guard))
+        instrumentor._wrap(cls, method, make_transfer_hook(kind, guard, wrap_send))
 
 
 _active: Optional[Instrumentor] = None
@@ -212,7 +218,7 @@ _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hoo
 
 
 def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, TRANSFER_MODULE, *(module for writer in FUSED_WRITERS for module in writer.modules)]
+    return [STEP_HOOK.module, *TRANSFER_MODULES, *(module for writer in FUSED_WRITERS for module in writer.modules)]
 
 
 def _when_imported(module: str) -> None:
@@ -230,7 +236,7 @@ def _when_imported(module: str) -> None:
 def _on_import(module: ModuleType) -> None:
     if _active is not None:
         try:
-            if module.__name__ == TRANSFER_MODULE:
+            if module.__name__ in TRANSFER_MODULES:
                 _hook_transfers(_active, module)
             _active.patch_module(module)
         except Exception as exc:  # never raised into sglang's import
@@ -303,8 +309,9 @@ def _absent_hooks() -> list[tuple[str, str]]:
     absent = []
     if module_file(STEP_HOOK.module) is None:
         absent.append((f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method})", STEP_HOOK.module))
-    if module_file(TRANSFER_MODULE) is None:
-        absent.append(("the KV transfer check (PD disaggregation's decode side)", TRANSFER_MODULE))
+    for module in TRANSFER_MODULES:
+        if module_file(module) is None:
+            absent.append((f"the KV transfer check ({module.rsplit('.', 1)[1]} side)", module))
     for writer in FUSED_WRITERS:
         if all(module_file(module) is None for module in writer.modules):
             absent.append((writer.label, " or ".join(writer.modules)))

@@ -41,12 +41,14 @@ from ..report.reporter import KVOutOfBoundsError
 Guard = Any  # the active checks.guard.Guard (which holds the Transfers: not imported back)
 
 SEND_LABEL = "send_metadata (PD decode KV destination pages)"
+SOURCE_LABEL = "send (PD prefill KV source pages)"
 # What each hook of TRANSFER_HOOKS does (doctor's words).
 HOOK_ROLES = {
     "send": "the destination pages: in the page space, live, the request's own row; in flight from here",
     "poll": "Success ends a transfer; Failed ends it once the backend's drain signal says so",
     "resolve": "warn mode gives back the pages it held once their transfer ended",
     "pending": "warn mode's held pages count as a deferred release (sglang's idle leak check waits)",
+    "prefill": "the source pages each KV sender's send gets: in the page space, live, the request's own row",
 }
 NO_DRAIN = ("the fake backend (and any with the deferred release off) gives no drain signal: "
             "Failed ends its transfers")
@@ -102,6 +104,7 @@ class Transfers:
         self.by_key: dict[int, Transfer] = {}
         self.tables: dict[int, np.ndarray] = {}  # pool serial -> per page (then a sink): its transfer's key, 0: none
         self._keys = itertools.count(1)
+        self.sending: Optional[tuple[Any, Any]] = None  # prefill: (scheduler, req) inside _send_kv_chunk
 
     def add(self, transfer: Transfer) -> None:
         self.drop(self.by_request.get(id(transfer.request)))
@@ -177,7 +180,6 @@ def send(guard: Guard, queue: Any, decode_req: Any, kv_indices: Any, page_size: 
     state: Optional[PoolState] = allocator.__dict__.get(LIVE_ATTR)
     if state is None or state.live is None:
         return
-    live = state.live.as_pages()
     if page_size != state.live.page:
         if guard.first_time("transfer page size"):
             logger.warning("sglang_oobguard: KV transfer pages of %d tokens on a pool paged by %d: not checked",
@@ -188,23 +190,56 @@ def send(guard: Guard, queue: Any, decode_req: Any, kv_indices: Any, page_size: 
     row = queue.req_to_token_pool.req_to_token[getattr(getattr(req, "kv", req), "req_pool_idx")]
     prefix = int(kwargs.get("decode_prefix_len") or 0)
     own = (row[prefix:len(req.origin_input_ids)][::page_size] // page_size).cpu().numpy().astype(np.int64)
+    room = getattr(req, "bootstrap_room", None)
+    inside = check_pages(guard, state, SEND_LABEL, pages, own, own_row=False, request=str(req.rid), room=room)
+    guard.transfers.add(Transfer(state, pages[inside], str(req.rid), room, guard.steps.number,
+                                 decode_req.kv_receiver, decode_req))
+
+
+def check_pages(guard: Guard, state: PoolState, label: str, pages: np.ndarray, own: np.ndarray, own_row: bool,
+                **where: Any) -> np.ndarray:
+    """Report the first bad page of a KV transfer: outside the page space, not live, or not
+    the request's own (`own`: its pages in order, or with `own_row` any page of its row).
+    Returns which pages are inside the page space."""
+    assert state.live is not None
+    high = state.live.pages
     flags = state.live.flags.cpu().numpy()
-    inside = (pages >= 0) & (pages < live.pages)
+    inside = (pages >= 0) & (pages < high)
     kinds = np.full(pages.shape, -1)
     kinds[~inside] = Kind.BOUNDS
-    kinds[(kinds < 0) & ~(flags[np.where(inside, pages, live.pages)] != 0)] = Kind.FREED
+    kinds[(kinds < 0) & (flags[np.where(inside, pages, high)] == 0)] = Kind.FREED
     expected = np.full(pages.shape, -1)
-    expected[:min(len(own), len(pages))] = own[:len(pages)]
-    kinds[(kinds < 0) & (expected != pages)] = Kind.OTHER_REQUEST
-    room = getattr(req, "bootstrap_room", None)
+    if own_row:
+        kinds[(kinds < 0) & ~np.isin(pages, own)] = Kind.OTHER_REQUEST
+    else:
+        expected[:min(len(own), len(pages))] = own[:len(pages)]
+        kinds[(kinds < 0) & (expected != pages)] = Kind.OTHER_REQUEST
     bad = np.flatnonzero(kinds >= 0)
     if bad.size:
         pos = int(bad[0])
-        guard.report_now(state, Record(int(bad.size), 1, site_id(SEND_LABEL), -1, live.pages, int(bad.size),
-                                       pages.size, pos, int(pages[pos]), guard.steps.number, int(kinds[pos]),
-                                       expected=int(expected[pos])), request=str(req.rid), room=room)
-    guard.transfers.add(Transfer(state, pages[inside], str(req.rid), room, guard.steps.number,
-                                 decode_req.kv_receiver, decode_req))
+        guard.report_now(state, Record(int(bad.size), 1, site_id(label), -1, high, int(bad.size), pages.size, pos,
+                                       int(pages[pos]), guard.steps.number, int(kinds[pos]),
+                                       expected=int(expected[pos])), **where)
+    return inside
+
+
+def source(guard: Guard, sender: Any, page_indices: Any, *rest: Any, **kwargs: Any) -> None:
+    """Prefill: the source pages one KV sender's send gets, inside `_send_kv_chunk`."""
+    if guard.transfers.sending is None or kwargs.get("indices_event") is not None:
+        return  # outside a chunk send; or a pinned copy still landing (its event not reached): not read
+    scheduler, req = guard.transfers.sending
+    if getattr(req, "disagg_kv_sender", None) is not sender:
+        return
+    state: Optional[PoolState] = scheduler.token_to_kv_pool_allocator.__dict__.get(LIVE_ATTR)
+    if state is None or state.live is None:
+        return
+    page = state.live.page
+    pages = np.asarray(page_indices.cpu() if isinstance(page_indices, torch.Tensor) else page_indices,
+                       dtype=np.int64).reshape(-1)
+    row = scheduler.req_to_token_pool.req_to_token[getattr(getattr(req, "kv", req), "req_pool_idx")]
+    own = np.unique((row[:len(req.origin_input_ids)] // page).cpu().numpy())
+    check_pages(guard, state, SOURCE_LABEL, pages, own, own_row=True, request=str(req.rid),
+                room=getattr(req, "bootstrap_room", None))
 
 
 def polled(guard: Guard, queue: Any, polls: Any) -> None:
@@ -253,9 +288,10 @@ def on_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pag
     return ids.reshape(-1)[torch.from_numpy(~hit)]
 
 
-def make_hook(kind: str, guard: Guard) -> Callable[..., Any]:
+def make_hook(kind: str, guard: Guard, wrap_send: Callable[[type], None]) -> Callable[..., Any]:
     """The wrapt wrapper of one TRANSFER_HOOKS method; the guard's own work never
-    raises into sglang, only a reported violation does (strict, raise)."""
+    raises into sglang, only a reported violation does (strict, raise). `wrap_send`
+    wraps a KV sender class's send (prefill: the backend's class is known at the send)."""
 
     def quietly(work: Callable[[], Any]) -> None:
         try:
@@ -271,6 +307,20 @@ def make_hook(kind: str, guard: Guard) -> Callable[..., Any]:
         if kind == "send":
             quietly(lambda: send(guard, instance, *args, **kwargs))
             return wrapped(*args, **kwargs)
+        if kind == "source":
+            quietly(lambda: source(guard, instance, *args, **kwargs))
+            return wrapped(*args, **kwargs)
+        if kind == "prefill":
+            req = args[0] if args else kwargs.get("req")
+            owner = next((c for c in type(getattr(req, "disagg_kv_sender", None)).__mro__ if "send" in c.__dict__),
+                         None)
+            if owner is not None and owner is not object:
+                quietly(lambda: wrap_send(owner))
+            outer, guard.transfers.sending = guard.transfers.sending, (instance, req)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                guard.transfers.sending = outer
         result = wrapped(*args, **kwargs)
         if kind == "poll":
             quietly(lambda: polled(guard, instance, result))

@@ -255,17 +255,19 @@ def label_for(class_name: str, method: str, ids: Ids) -> str:
     return LABELS.get((class_name, method), f"{method} ({class_name})")
 
 
-# -- KV transfers (PD disaggregation's decode side, with liveness; `checks.transfer`) --
-TRANSFER_MODULE = "sglang.srt.disaggregation.decode"
-# (class, method, what the hook does): send = check the destination pages sent to prefill,
-# in flight from then on; poll = Success ends a transfer, Failed awaits the drain signal;
-# resolve = give back what warn mode held once its transfer ended; pending = held pages
-# count as one of sglang's deferred releases (its idle leak check waits for them).
-TRANSFER_HOOKS = (("DecodePreallocQueue", "_send_kv_metadata", "send"),
-                  ("DecodeTransferQueue", "_poll_with_metadata_gate", "poll"),
-                  ("DecodeTransferQueue", "_poll_with_staging", "poll"),
-                  ("DecodeTransferQueue", "resolve_deferred_releases", "resolve"),
-                  ("DecodeTransferQueue", "has_pending_deferred_releases", "pending"))
+# -- KV transfers (PD disaggregation, with liveness; `checks.transfer`) --------------
+TRANSFER_MODULES = ("sglang.srt.disaggregation.decode", "sglang.srt.disaggregation.prefill")
+# (module, class, method, what the hook does): send = check the destination pages sent to prefill,
+# in flight from then on; poll = Success ends a transfer, Failed awaits the drain signal; resolve =
+# give back what warn mode held once its transfer ended; pending = held pages count as one of
+# sglang's deferred releases; prefill = check the source pages each KV sender's send gets.
+_DECODE, _PREFILL = TRANSFER_MODULES
+TRANSFER_HOOKS = ((_DECODE, "DecodePreallocQueue", "_send_kv_metadata", "send"),
+                  (_DECODE, "DecodeTransferQueue", "_poll_with_metadata_gate", "poll"),
+                  (_DECODE, "DecodeTransferQueue", "_poll_with_staging", "poll"),
+                  (_DECODE, "DecodeTransferQueue", "resolve_deferred_releases", "resolve"),
+                  (_DECODE, "DecodeTransferQueue", "has_pending_deferred_releases", "pending"),
+                  (_PREFILL, "SchedulerDisaggregationPrefillMixin", "_send_kv_chunk", "prefill"))
 # The backends' drain signal after an abort or failure (CommonKVManager: mooncake, nixl,
 # mori), armed by SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE; without it (the fake
 # backend, or the release off) Failed ends a transfer.
