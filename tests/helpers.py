@@ -139,6 +139,10 @@ FACTS: dict[str, Fact] = {
     "SchedulerDisaggregationPrefillMixin._send_kv_chunk": Fact(
         _has("sglang.srt.disaggregation.prefill", "SchedulerDisaggregationPrefillMixin._send_kv_chunk"),
         "? (checked on 0.5.23)"),
+    # HiCache's host pool (the CPU shim tests/hicache_shim.py stands in for its CUDA-only parts)
+    "MHATokenToKVPoolHost.load_to_device_per_layer": Fact(
+        _has("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost.load_to_device_per_layer"),
+        "? (checked on 0.5.23)"),
     # the speculative CPU ops the stand-in comparisons (tests/test_standins.py) run
     "assign_req_to_token_pool": Fact(_has("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool"), "0.5.16"),
     "assign_extend_cache_locs": Fact(_has(f"{SPECULATIVE}.cache_locs", "assign_extend_cache_locs"), "0.5.16"),

@@ -257,10 +257,7 @@ def label_for(class_name: str, method: str, ids: Ids) -> str:
 
 # -- KV transfers (PD disaggregation, with liveness; `checks.transfer`) --------------
 TRANSFER_MODULES = ("sglang.srt.disaggregation.decode", "sglang.srt.disaggregation.prefill")
-# (module, class, method, what the hook does): send = check the destination pages sent to prefill,
-# in flight from then on; poll = Success ends a transfer, Failed awaits the drain signal; resolve =
-# give back what warn mode held once its transfer ended; pending = held pages count as one of
-# sglang's deferred releases; prefill = check the source pages each KV sender's send gets.
+# (module, class, method, what the hook does: `checks.transfer.HOOK_ROLES` says it in words)
 _DECODE, _PREFILL = TRANSFER_MODULES
 TRANSFER_HOOKS = ((_DECODE, "DecodePreallocQueue", "_send_kv_metadata", "send"),
                   (_DECODE, "DecodeTransferQueue", "_poll_with_metadata_gate", "poll"),
@@ -268,10 +265,14 @@ TRANSFER_HOOKS = ((_DECODE, "DecodePreallocQueue", "_send_kv_metadata", "send"),
                   (_DECODE, "DecodeTransferQueue", "resolve_deferred_releases", "resolve"),
                   (_DECODE, "DecodeTransferQueue", "has_pending_deferred_releases", "pending"),
                   (_PREFILL, "SchedulerDisaggregationPrefillMixin", "_send_kv_chunk", "prefill"))
-# The backends' drain signal after an abort or failure (CommonKVManager: mooncake, nixl,
-# mori), armed by SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE; without it (the fake
-# backend, or the release off) Failed ends a transfer.
+# The backends' drain signal after an abort or failure (CommonKVManager's), armed by sglang's
+# deferred release; without it (the fake backend, or the release off) Failed ends a transfer.
 DRAIN_SIGNAL, DRAIN_ARMED = "is_abort_release_safe", "enable_deferred_decode_kv_release"
+# HiCache (`checks.hicache`): the host pools whose loads into and backups from device slots take
+# the device pool's own token ids (other host pools' ids are virtual or paged: not checked).
+HICACHE_POOLS = (("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost"),
+                 ("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost"))
+HICACHE_METHODS = (("load_to_device_per_layer", "host->device load"), ("backup_from_device_all_layer", "device->host backup"))
 
 # -- liveness (SGLANG_OOBGUARD_LIVENESS): the allocators that hand slots out --------
 

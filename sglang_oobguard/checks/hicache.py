@@ -1,0 +1,54 @@
+"""HiCache: the device slots of every host -> device load and device -> host backup, checked.
+
+HiCache (`enable_hierarchical_cache`) copies KV between the device pool and a host pool
+with its own transfer ops: a load writes device slots and a backup reads them, and
+neither goes through a pool method or `out_cache_loc`. Both take the device slot ids
+(`device_indices`) from the cache controller: fresh slots for a load-back, the tree
+node's or the request's own for a retraction restore and a backup. So each call of
+the host pools' `load_to_device_per_layer` and `backup_from_device_all_layer`
+(`targets.HICACHE_POOLS`) is probed like a write of the device pool: the bound
+(`POOL_IDS`) and, with liveness, the shadow (a load into a slot the allocator has
+taken back); on a GPU by the kernel, without a host sync, and contained in warn and
+raise mode (bad ids go to padding slot 0). Which request or node holds a slot is not
+known at this level: a load into a live slot of another running request passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..model.discover import base_class
+from ..model.targets import POOL_IDS
+from ..model.violation import site_id
+from .guard import Guard
+from .writes import argument, check_write, replaced
+
+DEVICE_IDS = (2, "device_indices")  # position after self, and name, in both methods
+
+
+def label(method: str, what: str) -> str:
+    return f"{method} (HiCache {what}) device_indices"
+
+
+def make_wrapper(method: str, what: str, guard: Guard) -> Callable[..., Any]:
+    """The wrapt wrapper of one host pool method: probe its device ids, pass on what the probe passed."""
+    site = site_id(label(method, what))
+    found = base_class()
+    pools = found if isinstance(found, type) else ()
+    guard.bounds[site] = POOL_IDS.rule
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        device_pool = argument(args, kwargs, 0, "device_pool")
+        ids = argument(args, kwargs, *DEVICE_IDS)
+        if not isinstance(ids, torch.Tensor) or not isinstance(device_pool, pools):
+            return wrapped(*args, **kwargs)  # a device pool that is no KVCache keeps ids of its own
+        layer = argument(args, kwargs, 3, "layer_id", -1) if method.startswith("load") else -1
+        passed = check_write(guard, device_pool, site, 0, ids, POOL_IDS.high(device_pool),
+                             lambda: int(layer) if isinstance(layer, int) else -1)
+        if passed is not ids:
+            args, kwargs = replaced(args, kwargs, DEVICE_IDS[0], DEVICE_IDS[1], len(args) > DEVICE_IDS[0], passed)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
