@@ -9,7 +9,7 @@ import venv
 from importlib.metadata import version
 
 from helpers import ROOT, has, run_python
-from sglang_oobguard.model.targets import TRANSFER_HOOKS
+from sglang_oobguard.model.targets import HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
 
 DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['doctor']))"
 # What the doctor's own discovery should list, from the same walk in a second interpreter.
@@ -66,6 +66,11 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
         assert any(f"{owner}.{method}" in line and state in line for line in sections["KV transfers"]), method
     assert "the transfer engine's RDMA write itself is not observable" in out
     assert "the fake backend (and any with the deferred release off) gives no drain signal" in out
+    for where, owner in HICACHE_POOLS:  # the HiCache check: each host pool's load and backup
+        for method, what in HICACHE_METHODS:
+            assert any(f"{owner}.{method}" in line and what in line and
+                       (f"found in {where}" if has("MHATokenToKVPoolHost.load_to_device_per_layer") else "ABSENT") in line
+                       for line in sections["HiCache"]), method
 
 
 def section_rows(out: str) -> dict[str, list[str]]:

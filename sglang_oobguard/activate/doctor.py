@@ -14,7 +14,8 @@ from typing import Any
 from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from ..model.quiet import quiet
-from ..model.targets import (DRAIN_ARMED, DRAIN_SIGNAL, FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, SUPPORTED, TESTED,
+from ..model.targets import (DRAIN_ARMED, DRAIN_SIGNAL, FUSED_WRITERS, HICACHE_METHODS, HICACHE_POOLS, MEMORY_POOL,
+                             POOL_IDS, STEP_HOOK, SUPPORTED, TESTED,
                              TRANSFER_HOOKS, UNMAPPED, is_supported, module_file, version_of_sglang,
                              write_map_off)
 from ..model.violation import site_label
@@ -117,6 +118,13 @@ def _outside_pools() -> list[str]:
     lines += [f"  every backend's transfers (mooncake, nixl, mori, ascend, fake); an aborted one ends at the drain "
               f"signal kv_mgr.{DRAIN_SIGNAL} (armed by {DRAIN_ARMED}), never at sglang's release-anyway timeout;",
               f"  {NO_DRAIN}; the prefill side's sends are checked where a sender's send is wrapped at its first call"]
+    lines.append("HiCache (the host pool's copies into and out of device slots, probed like a write of the device pool):")
+    for where, owner in HICACHE_POOLS:
+        for method, what in HICACHE_METHODS:
+            lines.append(f"  {owner + '.' + method:48} {what}: device_indices in [0, {POOL_IDS.rule}), live: "
+                         f"{found(where, owner, method)}")
+    lines.append("  not checked: which request or tree node holds a loaded slot; the other host pools (their ids are "
+                 "virtual or paged)")
     return lines
 
 
