@@ -41,6 +41,7 @@ class Guard:
         self.polled: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self.found: list[Found] = []  # the guarded methods: what a new pool's warm-up compiles
         self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
+        self.outside_steps: set[int] = set()  # sites that never write inside a forward step (HiCache's copies)
         self._messages: dict[int, str] = {}  # site -> the device-side assert text
         self._said: set[str] = set()  # log lines said once per guard
         self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
@@ -112,7 +113,7 @@ class Guard:
     def publish(self, state: PoolState, record: Optional[Record], **where: Any) -> None:
         if state.record.unreported(record):
             assert record is not None
-            fields = {} if free_param(record.site) else self.steps.where(record)
+            fields = {} if free_param(record.site) or record.site in self.outside_steps else self.steps.where(record)
             self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **{**fields, **where}),
                                   fatal=self.config.mode is not Mode.WARN)
 

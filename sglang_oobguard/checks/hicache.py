@@ -38,6 +38,7 @@ def make_wrapper(method: str, what: str, guard: Guard) -> Callable[..., Any]:
     found = base_class()
     pools = found if isinstance(found, type) else ()
     guard.bounds[site] = POOL_IDS.rule
+    guard.outside_steps.add(site)  # the cache controller's copies: no forward step's request to name
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         device_pool = argument(args, kwargs, 0, "device_pool")

@@ -70,6 +70,9 @@ WORKLOADS = {
     "decode": (PROMPTS, dict(disaggregation_mode="decode", disaggregation_transfer_backend="fake",
                              disaggregation_decode_retraction_backup="cpu_tensor", max_total_tokens=128,
                              num_reserved_decode_tokens=8, disable_radix_cache=True)),
+    # HiCache on the CPU (tests/hicache_shim.py through the fault plugin): `hicache` below
+    "hicache": ([], dict(enable_hierarchical_cache=True, hicache_io_backend="direct", hicache_mem_layout="layer_first",
+                         max_total_tokens=768, chunked_prefill_size=512)),
 }
 # `decode abort`: a 60-token request aborted 0.6 s after it was sent, then three of 24-34 tokens, more than
 # the pool has left: the last takes pages the aborted one gave back
@@ -203,6 +206,19 @@ def decode(engine, abort: bool) -> dict:
             "errors": [repr(out) for out in outs if not isinstance(out, dict)]}
 
 
+def hicache(engine) -> dict:
+    """A 400-token prompt, four more that evict it from the device pool (backed up to the host
+    pool first), then the first again: loaded back from the host. Greedy; tokens and cached
+    tokens of each of the six answers."""
+    first = " ".join([PREFIXES[0]] * 12)
+    others = [" ".join([prefix] * 12) for prefix in PREFIXES[1:]] + [" ".join([PREFIXES[2], PREFIXES[1]] * 6)]
+    params = {"temperature": 0, "max_new_tokens": 8}
+    outs = [engine.generate(prompt, params) for prompt in [first, *others, first]]
+    return {"outputs": [out["output_ids"] for out in outs],
+            "cached": [out["meta_info"].get("cached_tokens") for out in outs],
+            "prompt": [out["meta_info"].get("prompt_tokens") for out in outs]}
+
+
 def main(model: str, workload: str = "batch", *extra: str) -> int:
     import sglang
 
@@ -218,6 +234,8 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
             result.update(serve(engine, list(extra)))
         elif workload == "decode":
             result.update(decode(engine, "abort" in extra))
+        elif workload == "hicache":
+            result.update(hicache(engine))
         else:
             outs = engine.generate(WORKLOADS[workload][0], {"temperature": 0, "max_new_tokens": 16})
             result["outputs"] = [out.get("output_ids") for out in outs]

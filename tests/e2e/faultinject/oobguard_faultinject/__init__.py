@@ -2,7 +2,8 @@
 and a tally of the KV writes, moves and frees the engine made.
 
 Loaded by sglang's own `load_plugins()` like any plugin. With none of the variables
-below set (OOBGUARD_FAULT, OOBGUARD_COUNT, OOBGUARD_TRANSFER at the end) it does nothing.
+below set (OOBGUARD_FAULT, OOBGUARD_COUNT; OOBGUARD_TRANSFER, OOBGUARD_HICACHE_SHIM and
+OOBGUARD_HICACHE_FAULT at the end) it does nothing.
 
 `OOBGUARD_FAULT=step=3,token=1,value=high+3` (step may be a range, `3-6`; value
 `high+K` means the pool's size + page_size + K, or a literal such as `-1`) wraps
@@ -240,6 +241,12 @@ def _patch_allocator(module) -> None:
 def load() -> None:
     import wrapt
 
+    if os.environ.get("OOBGUARD_HICACHE_SHIM"):  # tests/hicache_shim.py, for this process
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+        wrapt.register_post_import_hook(lambda module: __import__("hicache_shim").install(),
+                                        "sglang.srt.mem_cache.pool_host.mla")
+    if os.environ.get("OOBGUARD_HICACHE_FAULT"):
+        wrapt.register_post_import_hook(_patch_load, "sglang.srt.mem_cache.pool_host.mha")
     if os.environ.get("OOBGUARD_TRANSFER"):
         wrapt.register_post_import_hook(_patch_fake, "sglang.srt.disaggregation.fake.conn")
         wrapt.register_post_import_hook(_patch_alloc, "sglang.srt.mem_cache.allocator.token")
@@ -333,3 +340,34 @@ def _patch_alloc(module) -> None:
 
     wrapt.wrap_function_wrapper(module, "TokenToKVPoolAllocator.alloc", _alloc)
 
+
+
+# -- OOBGUARD_HICACHE_FAULT=high: HiCache's first host -> device load gets a device slot past the pool -----
+# (device_indices[1] = size + page_size + 3) on the second load call (layer 1 of the first load-back): the
+# first call wraps the fault outermost, so that the guard's wrapper sees the bad id as a bug upstream of the
+# load would hand it.
+_loads: list[bool] = []
+_load_wrapped: list[bool] = []
+
+
+def _bad_load(wrapped, instance, args, kwargs):
+    if not _loads:
+        _loads.append(True)
+        pool, ids = args[0], args[2].clone()
+        ids[1] = pool.size + pool.page_size + 3
+        print(f"oobguard_faultinject: HiCache load device_indices[1] -> {int(ids[1])} (layer {args[3]})",
+              file=sys.stderr, flush=True)
+        args = (*args[:2], ids, *args[3:])
+    return wrapped(*args, **kwargs)
+
+
+def _patch_load(module) -> None:
+    import wrapt
+
+    def first(wrapped, instance, args, kwargs):
+        if not _load_wrapped:
+            _load_wrapped.append(True)
+            wrapt.wrap_function_wrapper(module, "MHATokenToKVPoolHost.load_to_device_per_layer", _bad_load)
+        return wrapped(*args, **kwargs)
+
+    wrapt.wrap_function_wrapper(module, "MHATokenToKVPoolHost.load_to_device_per_layer", first)
