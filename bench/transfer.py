@@ -1,9 +1,10 @@
-"""CPU benchmark of the KV transfer check (checks/transfer.py) on sglang's real decode-side send
+"""CPU benchmark of the KV transfer check (checks/transfer.py) and the HiCache check (checks/hicache.py) on sglang's real decode-side send
 (`DecodePreallocQueue._send_kv_metadata`, the fake backend's receiver), a real MHA pool and sglang's
 token allocator: the cost per transfer (the send check of one request's destination pages) and per
 free (a request's alloc and free, the free checked against the transfers in flight), guarded (strict, liveness) against
 unguarded and against the guard with no transfer in flight (what liveness alone costs), side by
-side in one run.
+side in one run; and the cost per HiCache load (one layer of the real MHA host pool, through the
+test-only CPU shim tests/hicache_shim.py), guarded against unguarded.
 
     .venv/bin/python bench/transfer.py            # ~20 s on 2 cores
     .venv/bin/python bench/transfer.py --quick    # a smoke run (numbers not meaningful)
@@ -70,6 +71,45 @@ def rows(quick: bool) -> list[dict]:
     return out
 
 
+def load_rows(quick: bool) -> list[dict]:
+    """HiCache: one host -> device load of one layer (the real MHA host pool, layer_first, direct; on
+    the CPU through tests/hicache_shim.py), unguarded vs guarded (strict, liveness)."""
+    import hicache_shim
+    import sglang_oobguard
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    hicache_shim.install()
+    out = []
+    for tokens in (128, 2048):
+        loads: dict[str, tuple] = {}
+
+        def setup(name: str) -> None:
+            sglang_oobguard.uninstall()
+            if name == "guarded":
+                os.environ["SGLANG_OOBGUARD_LIVENESS"] = "1"
+                sglang_oobguard.install("strict")
+            pool = MHATokenToKVPool(2 * tokens, 1, torch.bfloat16, 8, 128, 1, "cpu", False)
+            slots = TokenToKVPoolAllocator(2 * tokens, torch.bfloat16, "cpu", pool, False).alloc(tokens)
+            host = MHATokenToKVPoolHost(pool._mha_buffer_info(), 2.0, 0, 1, "layer_first", pin_memory=False,
+                                        device="cpu", device_capacity_tokens=pool.size, start_layer=0, end_layer=1)
+            loads[name] = (host, pool, torch.arange(tokens), slots)
+
+        def load(name: str) -> None:
+            host, pool, host_ids, slots = loads[name]
+            host.load_to_device_per_layer(pool, host_ids, slots, 0, "direct")
+
+        calls, rounds = (3, 2) if quick else (50, 15)
+        names = ("unguarded", "guarded")
+        samples = per_call_us({name: (lambda n=name: load(n)) for name in names}, calls, rounds,
+                              {name: (lambda n=name: setup(n)) for name in names})
+        out.append({"tokens": tokens, **{k: statistics.median(v) for k, v in samples.items()},
+                    "x": ratio(samples, "guarded", "unguarded")})
+    sglang_oobguard.uninstall()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -83,6 +123,11 @@ def main() -> int:
         label = "send (one transfer)" if row["what"] == "send" else "alloc + free (a request's pages)"
         print(f"| {label} | {row['tokens']} | {row['unguarded']:.1f} us | {row['alone']:.1f} us | "
               f"{row['guarded']:.1f} us | {row['x']:.2f}x | {row['x_alone']:.2f}x |")
+    print("\nHiCache host -> device load of one layer (bf16, 8 x 128), per call, strict + liveness:")
+    print("| tokens | unguarded | guarded | ratio |")
+    print("|---|---|---|---|")
+    for row in load_rows(quick):
+        print(f"| {row['tokens']} | {row['unguarded']:.1f} us | {row['guarded']:.1f} us | {row['x']:.2f}x |")
     return 0
 
 

@@ -73,3 +73,5 @@ def test_transfer_benchmark_prints_every_row():
         for pages in (128, 2048):
             assert re.search(rf"^\| {re.escape(call)} \| {pages} \| [\d.]+ us \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \| "
                              rf"[\d.]+x \|$", out, re.M), out
+    for tokens in (128, 2048):  # HiCache: one load of one layer
+        assert re.search(rf"^\| {tokens} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \|$", out, re.M), out
