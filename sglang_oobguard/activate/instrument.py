@@ -26,19 +26,18 @@ from ..checks import flush
 from ..checks.guard import Guard
 from ..checks.liveness import make_wrapper as make_allocator_wrapper
 from ..checks.stepcheck import make_forward_hook
-from ..checks.hicache import make_wrapper as make_hicache_wrapper
-from ..checks.transfer import make_hook as make_transfer_hook
 from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 from ..model import config as config_mod
 from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover, pool_classes,
                               resolve, write_methods)
 from ..model.log import ensure_visible, logger
-from ..model.targets import (FUSED_WRITERS, HICACHE_METHODS, HICACHE_POOLS, STEP_HOOK, TRANSFER_HOOKS, TRANSFER_MODULES, UNMAPPED, UPSTREAM_PROBE,
-                             is_supported, module_file, version_of_sglang, write_map_off)
+from ..model.targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
+                             version_of_sglang, write_map_off)
 from ..model.violation import Violation
 from ..report.files import open_report
 from ..report.owntime import OwnTime
+from . import kvhooks
 
 _MISSING = object()
 
@@ -196,39 +195,13 @@ class Instrumentor:
 
 
 
-def _hook_transfers(instrumentor: Instrumentor, module: ModuleType) -> None:
-    """PD disaggregation's queues: each hook whose method this sglang has (`checks.transfer`)."""
-    guard = instrumentor.guard
-
-    def wrap_send(cls: type) -> None:  # a KV sender class, as the first send of its backend comes
-        instrumentor._wrap(cls, "send", make_transfer_hook("source", guard, wrap_send))
-
-    for where, owner, method, kind in TRANSFER_HOOKS:
-        if where != module.__name__:
-            continue
-        cls = getattr(module, owner, None)
-        if cls is None or method not in cls.__dict__:
-            logger.warning("sglang_oobguard: %s.%s.%s not found: the KV transfer check misses it", where, owner, method)
-            continue
-        instrumentor._wrap(cls, method, make_transfer_hook(kind, guard, wrap_send))
-
-
-def _hook_hicache(instrumentor: Instrumentor, module: ModuleType) -> None:
-    """HiCache's host pools: their loads and backups of device slots (`checks.hicache`)."""
-    for where, owner in HICACHE_POOLS:
-        cls = getattr(module, owner, None) if where == module.__name__ else None
-        for method, what in HICACHE_METHODS if cls is not None else ():
-            if method in cls.__dict__:
-                instrumentor._wrap(cls, method, make_hicache_wrapper(method, what, instrumentor.guard))
-
-
 _active: Optional[Instrumentor] = None
 _lock = threading.RLock()  # one install at a time; re-entered by the .pth hook's install inside ours
 _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hooks for the process)
 
 
 def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, *TRANSFER_MODULES, *(where for where, _ in HICACHE_POOLS), *(module for writer in FUSED_WRITERS for module in writer.modules)]
+    return [STEP_HOOK.module, *kvhooks.MODULES, *(module for writer in FUSED_WRITERS for module in writer.modules)]
 
 
 def _when_imported(module: str) -> None:
@@ -246,9 +219,8 @@ def _when_imported(module: str) -> None:
 def _on_import(module: ModuleType) -> None:
     if _active is not None:
         try:
-            if module.__name__ in TRANSFER_MODULES:
-                _hook_transfers(_active, module)
-            _hook_hicache(_active, module)
+            patches = _active.patches
+            kvhooks.hook(module, _active.guard, lambda owner, name, hook: patches.wrap(owner, name, hook, "transfer"))
             _active.patch_module(module)
         except Exception as exc:  # never raised into sglang's import
             _active.guard.internal_error(f"patching {module.__name__}", exc)
@@ -320,9 +292,7 @@ def _absent_hooks() -> list[tuple[str, str]]:
     absent = []
     if module_file(STEP_HOOK.module) is None:
         absent.append((f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method})", STEP_HOOK.module))
-    checks = [(f"the KV transfer check ({where.rsplit('.', 1)[1]} side)", where) for where in TRANSFER_MODULES]
-    absent += [(what, where) for what, where in checks + [(f"the HiCache check ({owner})", where)
-                                                          for where, owner in HICACHE_POOLS] if module_file(where) is None]
+    absent += kvhooks.absent()
     for writer in FUSED_WRITERS:
         if all(module_file(module) is None for module in writer.modules):
             absent.append((writer.label, " or ".join(writer.modules)))
