@@ -87,7 +87,7 @@ HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_
             kernels.launch, kernels.programs, record.PoolRecord.poll, record.PoolRecord.unreported,
             liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages,
             liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end, liveness._update,
-            liveness._counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin]
+            liveness.counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 

@@ -24,13 +24,15 @@ import wrapt
 
 from ..checks import flush
 from ..checks.guard import Guard
+from ..checks import swa
 from ..checks.liveness import make_wrapper as make_allocator_wrapper
 from ..checks.stepcheck import make_forward_hook
 from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 from ..model import config as config_mod
-from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover, pool_classes,
-                              resolve, write_methods)
+from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, by_design, discover,
+                              pool_classes, resolve, write_methods)
+from ..model.swatargets import SWA_ALLOCATOR_MODULE, SWA_POOL_HOOK, SwaRole
 from ..model.log import ensure_visible, logger
 from ..model.targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
                              version_of_sglang, write_map_off)
@@ -80,6 +82,7 @@ class Instrumentor:
     def instrument(self, base: type) -> list[str]:
         """Wrap what discovery finds; returns the methods a reader should know are not guarded."""
         skipped = self.guard_classes(discover(base))
+        _hook_swa_pools(self, pool_classes(base))
         self._wrap(base, "__init__", make_constructor_hook(self.guard))
         self._hook_new_classes(base)
         classes = set(pool_classes(base))  # exact types: an ABC subclass check per object costs seconds
@@ -130,22 +133,20 @@ class Instrumentor:
         return skipped
 
     def track_allocators(self) -> None:
-        """Wrap the tracked allocators' methods; name the allocators whose pools get the
-        bound check only."""
+        """Wrap the tracked allocators' methods; name those whose pools get the bound check only."""
         targets = allocator_targets()
         if isinstance(targets, str):
             logger.warning("sglang_oobguard: liveness NOT tracked: %s", targets)
             return
         methods, untracked = targets
         for target in methods:
-            self._wrap(target.owner, target.method, make_allocator_wrapper(target, self.guard), target)
+            self._wrap(target.owner, target.method, _allocator_wrapper(target, self.guard), target)
         if untracked:
             logger.warning("sglang_oobguard: liveness not tracked for the pools of %s (bound check only)",
                            ", ".join(untracked))
 
     def untrack_allocators(self) -> None:
-        """Liveness turned off by a later install(): unwrap the allocators and forget the
-        shadows, which from now on would miss what the allocators hand out."""
+        """Liveness off by a later install(): unwrap the allocators, forget the shadows (they would miss hand-outs)."""
         self.undo(lambda p: isinstance(p.entry, AllocatorMethod))
         for state in list(self.guard.states):
             state.live = None
@@ -160,6 +161,7 @@ class Instrumentor:
             else:
                 super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]  # base is a class
             late = self.guard_classes([resolve(cls, name) for name in write_methods(cls)])
+            _hook_swa_pools(self, [cls])
             if late:
                 logger.warning("sglang_oobguard: not guarded: %s", "; ".join(late))
 
@@ -185,7 +187,7 @@ _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hoo
 
 
 def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, *(module for writer in FUSED_WRITERS for module in writer.modules)]
+    return [STEP_HOOK.module, SWA_ALLOCATOR_MODULE, *(module for writer in FUSED_WRITERS for module in writer.modules)]
 
 
 def _when_imported(module: str) -> None:
@@ -200,9 +202,24 @@ def _when_imported(module: str) -> None:
     wrapt.register_post_import_hook(_on_import, module)
 
 
+def _hook_swa_pools(instrumentor: Instrumentor, classes: list[type]) -> None:
+    """Name the SWA pools' id spaces as their allocators register the mapping."""
+    for cls in classes:
+        hook = cls.__dict__.get(SWA_POOL_HOOK)
+        if hook is not None and not by_design(getattr(hook, "__wrapped__", hook)):
+            instrumentor._wrap(cls, SWA_POOL_HOOK, swa.make_mapping_hook(instrumentor.guard))
+
+
+def _allocator_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
+    """An allocator method's wrapper: the SWA family's adapter, or the tracked allocators' liveness."""
+    return (swa.make_wrapper if isinstance(target.role, SwaRole) else make_allocator_wrapper)(target, guard)
+
+
 def _on_import(module: ModuleType) -> None:
     if _active is not None:
         try:
+            if module.__name__ == SWA_ALLOCATOR_MODULE and _active.guard.config.liveness:
+                _active.track_allocators()  # the SWA allocators' module loads after the plugin runs
             _active.patch_module(module)
         except Exception as exc:  # never raised into sglang's import
             _active.guard.internal_error(f"patching {module.__name__}", exc)

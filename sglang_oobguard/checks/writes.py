@@ -113,7 +113,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                 if not isinstance(loc, torch.Tensor):
                     continue
                 checked = check_write(guard, instance, site, param, loc, high(instance),
-                                      lambda: _layer_id(args, kwargs, found), lens, slots)
+                                      lambda: _layer_id(instance, args, kwargs, found), lens, slots)
                 if checked is not loc:
                     passed = checked if value is loc else dataclasses.replace(value, loc=checked)
                     args, kwargs = replaced(args, kwargs, position, name, given, passed)
@@ -144,13 +144,15 @@ def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any =
     return args[position] if len(args) > position else kwargs.get(name, default)
 
 
-def _layer_id(args: tuple, kwargs: dict, found: Found) -> int:
+def _layer_id(instance: Any, args: tuple, kwargs: dict, found: Found) -> int:
     """`layer_id_override` when given (wrapper pools pass layer=None), else the layer's
     id: a RadixAttention's `layer_id`, or the int that index writes take. -1: none."""
     at = found.override_index
     override = args[at] if at is not None and len(args) > at else kwargs.get("layer_id_override")
-    if override is not None:
-        return int(override)
+    if override is not None:  # a sub-pool's own index (SWA, hybrid): the model's layer where the pool maps it
+        layers = getattr(instance, "model_layer_ids", None)
+        index = int(override) - int(getattr(instance, "start_layer", 0) or 0)
+        return int(layers[index]) if isinstance(layers, tuple) and 0 <= index < len(layers) else int(override)
     if found.layer_name is None or found.rule.layer is None:
         return -1
     layer = argument(args, kwargs, found.rule.layer, found.layer_name)

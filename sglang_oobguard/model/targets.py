@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .swatargets import dsv4_slots
+
 # Supported versions, declared up front: the releases the CI matrix runs, oldest to
 # newest. A class or method that a release lacks is skipped and named in a log line;
 # outside the range the guard still installs what fits, and the same line says so.
@@ -76,6 +78,7 @@ DCP_TOKEN_SLOTS = Bound("(size + page_size) * _write_loc_dcp_span", _dcp_token_s
 # wherever decode context parallelism is off (upstream's fix of the same false positive: #33432).
 POOL_IDS = DCP_TOKEN_SLOTS
 NPU_INDEX_SLOTS = Bound("index_size + index_page_size * index_page_padding", _npu_index_slots)
+DSV4_SLOTS = Bound("ceil((size + global_page_size) / page_size) * page_size", dsv4_slots)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,11 @@ OWN: dict[tuple[str, str], Rule] = {
     ("MiniMaxM3Nvfp4IndexKPool", "set_k_buffer"): WRITE,
     ("MiniMaxM3Nvfp4IndexKPool", "set_quantized_k_buffer"): WRITE,
     ("MiniMaxM3Nvfp4MainKVPool", "set_quantized_kv_buffer"): WRITE,
+    # DeepSeek-V4's leaf pools: token ids into pages of rows (deepseek_v4_memory_pool.py)
+    **{(cls, method): Rule((Ids(1, ("loc",), DSV4_SLOTS),)) for cls, method in (
+        ("DeepSeekV4SingleKVPool", "set_key_buffer"), ("DeepSeekV4SingleKVPool", "set_key_buffer_fused"),
+        ("DeepSeekV4UniformFP8KVPool", "set_key_buffer_fused"), ("DeepSeekV4IndexerPool", "set_index_k_scale_buffer"),
+        ("DeepSeekV4IndexerPool", "set_index_fused"), ("DeepSeekV4IndexerPool", "set_index_fp4"))},
 }
 
 # Upstream's labels for the sites its own probe checks (0.5.13+); other sites are

@@ -1,0 +1,125 @@
+"""SWA: the sliding-window pools' two id spaces, named and checked (the SWA allocator family's adapter).
+
+`SWAKVPool` holds a full sub-pool and an SWA sub-pool; `SWATokenToKVPoolAllocator`
+hands out a full slot and an SWA slot together, keeps the full -> SWA mapping, and
+drives two sub-allocators of the tracked kinds, whose shadows (`liveness`) are the
+two id spaces' shadows. What the parts cannot see, this adapter adds:
+
+- names: the sub-pools' reports name the SWA pool and the id space, e.g.
+  "SWAKVPool.swa_kv_pool (SWA ids)", when an allocator registers its mapping;
+- the SWA allocator's frees, checked in the full id space before anything is taken
+  back: every full id live (a double free, also within one call, names the full ids,
+  not the padding slot 0 their cleared mapping reads as); where upstream requires the
+  SWA peer mapped (`swa.peer_mapped`: page 1, and each page of a segment), the peer
+  mapped, so padding slot 0 never reaches the SWA free list; and for `free_full`, the
+  peer released (`swa.peer_released`), else the SWA slot leaks.
+
+Host ids only (CPU tensors, the torch backend): on a GPU these reads would sync the
+scheduler, so there the sub-allocators' own checks stand alone (doctor says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..model.discover import AllocatorMethod
+from ..model.swatargets import (FULL_SUBPOOL, MAPPING, SWA_CHECKED, SWA_METHODS, SWA_SUBPOOL, SwaMethod, SwaRole,
+                                space_name)
+from ..model.violation import Kind, free_site_id
+from ..probes import hostscan
+from ..probes.pools import NAME_ATTR, STATE_ATTR
+from ..probes.record import Record
+from .guard import Guard
+from .liveness import Call, checked, counted
+
+FAMILY = "swa"  # the free family an outer SWA free marks, so its inner halves are not checked again
+
+
+def name_spaces(guard: Guard, pool: Any) -> None:
+    """Name the SWA pool and its sub-pools by id space, in their states and for any
+    state made later."""
+    cls = type(pool).__name__
+    parts = [(pool, None)] + [(pool.__dict__.get(sub), sub) for sub in (FULL_SUBPOOL, SWA_SUBPOOL)]
+    for part, sub in parts:
+        if part is None or "device" not in part.__dict__:
+            continue
+        name = space_name(cls, sub)
+        guard.mark(part, NAME_ATTR, name)
+        state = part.__dict__.get(STATE_ATTR)
+        if state is not None:
+            state.pool_name = name
+
+
+def make_mapping_hook(guard: Guard) -> Callable[..., Any]:
+    """Wrapper for an SWA pool's `register_mapping` (every SWA allocator's constructor calls it)."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            name_spaces(guard, instance)
+        except Exception as exc:
+            guard.internal_error(f"{type(instance).__name__}.register_mapping", exc)
+        return result
+
+    return wrapper
+
+
+def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
+    """The wrapt wrapper of one SWA allocator free method (exact types of SWA_CHECKED)."""
+    spec = SWA_METHODS[target.method]
+    calls = guard.calls
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        if type(instance).__name__ not in SWA_CHECKED or instance.__dict__.get("_swa_req_ring"):
+            return wrapped(*args, **kwargs)  # a per-request SWA ring: no paged SWA peers
+        outer = calls.freeing
+        if outer is not None and outer[0] is instance and outer[1] == FAMILY:
+            return wrapped(*args, **kwargs)  # free's own free_swa / free_full: checked with it
+        call = Call(wrapped, args, kwargs)
+        ids = call.ids
+        if isinstance(ids, torch.Tensor) and ids.numel() and guard.on_host(ids):
+            contained = checked(guard, lambda: check_free(guard, instance, target.method, spec, ids))
+            if contained is not None and spec.contained:
+                call.ids = contained
+        return counted(guard, instance, FAMILY, call)
+
+    return wrapper
+
+
+def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Check one SWA free in the full id space; report its first bad id. Returns the
+    good ids (warn mode's containment) when some were bad, else None."""
+    pool = allocator.__dict__.get("_kvcache")
+    full = None if pool is None else pool.__dict__.get(FULL_SUBPOOL)
+    state = None if full is None else full.__dict__.get(STATE_ATTR)
+    live = None if state is None else state.live
+    if live is None:  # the full sub-allocator is not tracked: nothing to check against
+        return None
+    flat = ids.reshape(-1)
+    wide = flat.to(torch.int64)
+    bad = hostscan.bad_free(wide, live.high, live)
+    mapping: torch.Tensor = allocator.__dict__[MAPPING]
+    peers = mapping[wide.clamp(0, mapping.numel() - 2)]
+    page = int(allocator.page_size)
+    if spec.role is SwaRole.FREE_FULL:
+        peer_bad = ~bad & (peers != 0)
+    elif spec.role is SwaRole.FREE_SEGMENT or page == 1:  # where upstream's free reads every peer
+        heads = torch.arange(wide.numel()) % page == 0 if spec.role is SwaRole.FREE_SEGMENT else True
+        peer_bad = ~bad & (peers <= 0) & heads
+    else:
+        peer_bad = torch.zeros_like(bad)
+    either = bad | peer_bad
+    if not bool(either.any()):
+        return None
+    pos = int(either.to(torch.uint8).argmax())
+    value = int(wide[pos])
+    kind = Kind.PEER_MAPPED if spec.role is SwaRole.FREE_FULL else Kind.UNMAPPED
+    if bad[pos]:
+        kind = Kind.DOUBLE_FREE if 0 <= value < live.high else Kind.BOUNDS
+    count = int(either.sum())
+    site = free_site_id(f"{method} ({type(allocator).__name__})", "free_index")
+    guard.report_now(state, Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number,
+                                   kind, expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1))
+    return flat[~either]
