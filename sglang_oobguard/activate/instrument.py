@@ -32,7 +32,7 @@ from ..checks.writes import attach_existing, make_constructor_hook, make_upstrea
 from ..model import config as config_mod
 from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, by_design, discover,
                               pool_classes, resolve, write_methods)
-from ..model.swatargets import SWA_ALLOCATOR_MODULE, SWA_POOL_HOOK, SwaRole
+from ..model.swatargets import FAMILIES_SHORT, SWA_ALLOCATOR_MODULE, SWA_POOL_HOOK, SwaRole
 from ..model.log import ensure_visible, logger
 from ..model.targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
                              version_of_sglang, write_map_off)
@@ -271,7 +271,7 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
                 "defined so far), sglang %s, liveness=%s (owner check %s), %s", os.getpid(),
                 config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
-                version, "on" if config.liveness else "off", "on" if config.liveness else "off",
+                version, f"on (tracks {FAMILIES_SHORT})" if config.liveness else "off", "on" if config.liveness else "off",
                 f"write map off ({write_map_off()})" if write_map_off() else
                 f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})")
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]

@@ -29,6 +29,16 @@ SWA_CHECKED = ("SWATokenToKVPoolAllocator",)
 SWA_NAMED_ONLY = ("PureSWATokenToKVPoolAllocator",)  # all layers sliding: the mapping is the identity
 
 
+# What liveness tracks, per allocator family: doctor's lines, the activation line's summary.
+FAMILIES = (
+    ("TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator", "one shadow per pool, per slot or per page"),
+    ("SWATokenToKVPoolAllocator", "both id spaces: its two sub-allocators' shadows, and its frees checked against "
+                                  "the full -> SWA mapping (host ids; on a GPU the sub-allocators' checks only)"),
+    ("PureSWATokenToKVPoolAllocator", "its one (SWA) id space, through its sub-allocator's shadow"),
+)
+FAMILIES_SHORT = "token, paged, SWA (both id spaces) and pure-SWA allocators"
+
+
 class SwaRole(str, enum.Enum):
     """What an SWA allocator method does to the pair of id spaces."""
 
