@@ -50,7 +50,7 @@ class SwaRole(str, enum.Enum):
 @dataclass(frozen=True)
 class SwaMethod:
     role: SwaRole
-    full: bool = True  # the full ids go back too (free_swa keeps them: only the SWA peers leave)
+    full: bool = True  # the full ids go back too, so must be live (free_swa: only the SWA peers leave)
     contained: bool = True  # warn mode may pass only the good ids on (set-shaped, not a segment)
 
 

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 STANDIN = HERE.parent / "standins"
 RADIX_POOL = 384  # the radix workload's max_total_tokens (engine_run.py)
 PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
-CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "TRITON_INTERPRET", "SGLANG_PLUGINS")
+CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "OOBGUARD_SWA_READS", "TRITON_INTERPRET", "SGLANG_PLUGINS")
 
 
 @dataclass

@@ -29,6 +29,9 @@ accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
 (`value=freed` is the only value there): a move into a slot already given back. Its
 wrapper goes on at the first forward, outside the guard's.
 
+`site=swa` (sliding-window models) and `OOBGUARD_SWA_READS=1`, the test-only patch of
+torch_native's SWA reads: see `oobguard_faultinject.swa`.
+
 `OOBGUARD_COUNT=DIR`: at each counted call, each process writes DIR/<pid>.json with
 its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer`
 (writes), `MHATokenToKVPool.move_kv_cache` (moves) and
@@ -44,6 +47,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from . import swa
 
 _count = 0
 _moves = 0
@@ -101,6 +106,8 @@ def _forward(wrapped, instance, args, kwargs):
     batch = args[0] if args else kwargs["forward_batch"]
     loc = getattr(batch, "out_cache_loc", None)
     spec = _spec()
+    if spec.get("site") == "swa":
+        swa.fault(spec, instance, batch)
     if "step" in spec and spec.get("site", "write") == "write" and loc is not None and loc.numel() \
             and _selected(spec, instance, batch):
         token = int(spec["token"])
@@ -238,9 +245,12 @@ def _patch_allocator(module) -> None:
 
 
 def load() -> None:
+    import wrapt
+
+    if os.environ.get("OOBGUARD_SWA_READS"):
+        wrapt.register_post_import_hook(swa.patch_reads, "sglang.srt.layers.attention.torch_native_backend")
     if not (os.environ.get("OOBGUARD_FAULT") or os.environ.get("OOBGUARD_COUNT")):
         return
-    import wrapt
 
     wrapt.register_post_import_hook(_patch_runner, "sglang.srt.model_executor.model_runner")
     wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
