@@ -14,6 +14,7 @@ from helpers import Layer, needs, swa_allocator, swa_pool
 from sglang_oobguard import KVOutOfBoundsError
 
 FULL, SWA = r"\(pool SWAKVPool\.full_kv_pool \(full ids\)\)", r"\(pool SWAKVPool\.swa_kv_pool \(SWA ids\)\)"
+DOOR = SWA[:-2] + r" at SWAKVPool's door\)"
 PAGES = pytest.mark.parametrize("page_size", [1, 4])
 
 
@@ -73,8 +74,9 @@ def test_a_clean_life_of_both_id_spaces_is_silent(swa, page_size):
 def test_ids_past_either_sub_pool_name_the_pool_the_id_space_and_the_model_layer(swa, page_size):
     pool, allocator = swa("raise", page_size)
     loc = alloc(allocator, 4)
-    raised(rf"layer 2: .*\[0, {32 + page_size}\): loc\[0\] = 40 {SWA}",
-           lambda: write(pool, allocator, loc, 2, swa_loc=torch.tensor([40, 1, 2, 3])))
+    past = allocator.translate_loc_from_full_to_swa(loc)
+    past[0] = 40
+    raised(rf"layer 2: .*\[0, {32 + page_size}\): loc\[0\] = 40 {SWA}", lambda: write(pool, allocator, loc, 2, swa_loc=past))
     raised(rf"layer 2: .*\[0, {64 + page_size}\): loc\[0\] = 90 \(pool SWAKVPool \(full ids\)\)",
            lambda: write(pool, allocator, torch.tensor([90]), 2, swa_loc=torch.tensor([1])))
     raised(rf"layer 3: .*\[0, {64 + page_size}\): loc\[1\] = 80 ",
@@ -88,8 +90,12 @@ def test_a_write_to_an_swa_slot_that_left_the_window_is_caught(swa, page_size):
     swa_loc = allocator.translate_loc_from_full_to_swa(loc)
     allocator.free_swa(loc[:page_size])
     write(pool, allocator, loc, 1)  # a full layer: its slots are still held
-    raised(rf"set_kv_buffer \(MHA\) layer 2: loc\[0\] = {int(swa_loc[0])} is not allocated \(freed\) .*{SWA}",
+    stale = rf"loc\[0\] = {int(swa_loc[0])} is not this token's SWA slot \(its full slot has none: it left the window"
+    raised(rf"^set_kv_buffer \(SWAKVPool\) swa_loc layer 2: {stale}.*{DOOR}$",  # a stale translation, at the door
            lambda: write(pool, allocator, loc, 2, swa_loc=swa_loc))
+    raised(rf"^set_kv_buffer \(MHA\) layer 2: loc\[0\] = {int(swa_loc[0])} is not allocated \(freed\) .*{SWA}$",
+           lambda: pool.swa_kv_pool.set_kv_buffer(None, swa_loc, torch.ones(2 * page_size, 2, 4),  # behind the door
+                                                  torch.ones(2 * page_size, 2, 4), layer_id_override=1))
 
 
 @PAGES
@@ -199,3 +205,33 @@ def test_deepseek_v4_leaf_pools_bound_their_token_ids_before_sglang_writes(guard
     with pytest.raises(KVOutOfBoundsError, match=rf"{method} \({type(pool).__name__}\) layer 0: 1 of 1 slot ids "
                                                  rf"outside \[0, {rows}\): loc\[0\] = {rows}"):
         getattr(pool, method)(0, torch.tensor([rows]), torch.zeros(1, 512), *payload)
+
+
+@PAGES
+def test_an_swa_layer_writing_another_tokens_swa_slot_is_caught_at_the_door(swa, page_size):
+    """The step's SWA ids must be the translation of its own full slots: a stale or
+    crossed translation writes another request's SWA rows, which the SWA shadow calls live."""
+    pool, allocator = swa("raise", page_size)
+    mine, other = alloc(allocator, page_size), alloc(allocator, page_size)
+    theirs = allocator.translate_loc_from_full_to_swa(other)
+    own = allocator.translate_loc_from_full_to_swa(mine)
+    write(pool, allocator, mine, 1, swa_loc=theirs)  # a full layer: its SWA ids are not read
+    raised(rf"^set_kv_buffer \(SWAKVPool\) swa_loc layer 2: loc\[0\] = {int(theirs[0])} is not this token's SWA slot "
+           rf"\(its full slot maps to {int(own[0])}\).* {DOOR}$", lambda: write(pool, allocator, mine, 2, swa_loc=theirs))
+
+
+def test_two_tokens_of_one_write_on_one_swa_slot_are_caught_and_warn_contains_them(swa):
+    pool, allocator = swa("warn", 1)
+    loc = alloc(allocator, 3)
+    swa_loc = allocator.translate_loc_from_full_to_swa(loc)
+    twin = swa_loc.clone()
+    twin[2] = twin[0]
+    allocator.full_to_swa_index_mapping[loc[2]] = twin[0]  # the mapping itself crossed: the translation agrees
+    before = pool.swa_kv_pool.k_buffer[1][int(swa_loc[0])].clone()
+    write(pool, allocator, loc, 2, swa_loc=twin)
+    [violation] = sglang_oobguard.violations()
+    assert (violation.label, violation.kind, violation.pos, violation.value, violation.layer) == (
+        "set_kv_buffer (SWAKVPool) swa_loc", "duplicate", 2, int(swa_loc[0]), 2)
+    assert violation.pool == "SWAKVPool.swa_kv_pool (SWA ids) at SWAKVPool's door"
+    assert torch.equal(pool.swa_kv_pool.k_buffer[1][int(swa_loc[0])], torch.ones(2, 4))  # token 0's own write
+    assert not torch.equal(before, torch.ones(2, 4))

@@ -2,7 +2,8 @@
 
 sglang 0.4.x runs the forward on a thread of its own, beside the scheduler's, so
 nothing of a call in progress may be a process global: each thread has its own
-innermost guarded call, free in progress, step depth and per-step memo.
+innermost guarded call, free in progress, step depth and per-step memo. Also the two
+helpers every wrapper uses to read and replace one argument of a wrapped call.
 """
 
 from __future__ import annotations
@@ -30,3 +31,15 @@ class CallState(threading.local):
         # whether that is a copy in the pool's buffer).
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.capturing = False  # the memo belongs to a graph capture
+
+
+def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
+    """The call's arguments with one replaced (positional when it was given so)."""
+    if given:
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """One argument of a wrapped call, given by position or by name."""
+    return args[position] if len(args) > position else kwargs.get(name, default)

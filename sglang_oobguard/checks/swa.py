@@ -20,6 +20,7 @@ scheduler, so there the sub-allocators' own checks stand alone (doctor says so).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -30,11 +31,13 @@ from ..model.swatargets import (FULL_SUBPOOL, MAPPING, SWA_CHECKED, SWA_METHODS,
                                 space_name)
 from ..model.violation import Kind, free_site_id
 from ..probes import hostscan
-from ..probes.pools import NAME_ATTR, STATE_ATTR
+from ..probes.pools import NAME_ATTR, SITES_ATTR, STATE_ATTR
 from ..probes.record import Record
 from ..probes.shadow import Live
 from .guard import Guard
 from .liveness import Call, checked, counted
+from .owners import find_owner
+from .calls import argument, replaced
 
 FAMILY = "swa"  # the free family an outer SWA free marks, so its inner halves are not checked again
 
@@ -147,3 +150,79 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
     guard.report_now(state, Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number,
                                    kind, expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1))
     return flat[~either]
+
+
+# -- the door: an SWA layer's SWA ids against the step's own full slots ---------------
+
+DOOR_ATTR = "_oobguard_swa_door"  # on an SWA pool: the DoorSite its door's reports are kept on
+
+
+class DoorSite:
+    """The record of an SWA pool's door check, apart from the SWA sub-pool's own (whose
+    first violation, e.g. a live slot handed out again, stays reported on its own)."""
+
+    page_size = 0
+
+    def __init__(self, pool: Any, site: int) -> None:
+        sub = pool.__dict__[SWA_SUBPOOL]
+        self.size = int(sub.size) + int(sub.page_size)
+        self.__dict__[NAME_ATTR] = f"{space_name(type(pool).__name__, SWA_SUBPOOL)} at {type(pool).__name__}'s door"
+        self.__dict__[SITES_ATTR] = {site: False}
+
+
+def check_door(guard: Guard, pool: Any, site: int, args: tuple, kwargs: dict, position: int, name: str,
+               layer_id: int) -> tuple[tuple, dict]:
+    """An SWA layer's write at SWAKVPool's door: each token's SWA slot must be the
+    translation of its own full slot (`full_to_swa_index_mapping`), and no two tokens
+    of the write may share one. Reports both requests; warn mode sends the bad SWA ids
+    to padding slot 0 in a private copy. Host ids only; returns the call's arguments."""
+    value = argument(args, kwargs, position, name)
+    loc, swa_loc = getattr(value, "loc", None), getattr(value, "swa_loc", None)
+    mapping = pool.__dict__.get(MAPPING)
+    layers = pool.__dict__.get("layers_mapping") or {}
+    if not (isinstance(loc, torch.Tensor) and isinstance(swa_loc, torch.Tensor) and isinstance(mapping, torch.Tensor)
+            and layers.get(layer_id, (0, False))[1] and guard.on_host(swa_loc) and loc.numel() == swa_loc.numel()):
+        return args, kwargs
+    full, ids, table = loc.reshape(-1).numpy(), swa_loc.reshape(-1).numpy(), mapping.numpy()
+    inside = (full >= 0) & (full < table.size - 1)
+    expected = np.where(inside, table[np.clip(full, 0, table.size - 2)], ids)
+    wrong = ids != expected
+    repeated = np.zeros(ids.size, dtype=bool)
+    repeated[np.setdiff1d(np.arange(ids.size), np.unique(ids, return_index=True)[1])] = True
+    repeated &= ids > 0  # padding slot 0: every unmapped token's row
+    sub = pool.__dict__[SWA_SUBPOOL]
+    bad = (wrong | repeated) & (ids >= 0) & (ids < int(sub.size) + int(sub.page_size))  # outside: the sub-pool's report
+    if not bad.any():
+        return args, kwargs
+    pos = int(bad.argmax())
+    door = pool.__dict__.get(DOOR_ATTR)
+    if door is None:
+        door = DoorSite(pool, site)
+        guard.mark(pool, DOOR_ATTR, door)
+    state = guard.state(door, torch.device(sub.device))
+    slot = int(ids[pos])
+    kind = Kind.SWA_OTHER if wrong[pos] else Kind.DUPLICATE
+    count = int(bad.sum())
+    record = Record(count, 1, site, layer_id, int(sub.size) + int(sub.page_size), count, ids.size, pos, slot,
+                    guard.steps.number, kind, expected=int(expected[pos]))
+    guard.report_now(state, record, **_owner(guard, record, full, ids, table, pos))
+    clean = torch.from_numpy(np.where(bad, 0, ids)).view(swa_loc.shape).to(swa_loc.dtype)
+    return replaced(args, kwargs, position, name, len(args) > position, dataclasses.replace(value, swa_loc=clean))
+
+
+def _owner(guard: Guard, record: Record, full: np.ndarray, ids: np.ndarray, table: np.ndarray,
+           pos: int) -> dict[str, Any]:
+    """The other side of a bad SWA id: the token of this write that holds the slot, else
+    the request whose full slot maps to it (req_to_token), for the report (slow path)."""
+    plain = record._replace(kind=Kind.BOUNDS)  # the step's fields of a position, without the full-slot lookup
+    earlier = np.flatnonzero(ids[:pos] == ids[pos])
+    if earlier.size:
+        other = guard.steps.where(plain._replace(pos=int(earlier[0])))
+        return {"owner": other.get("request"), "owner_token": other.get("token")}
+    seen = guard.steps.find(record.step) if record.step >= 0 else None
+    peers = [int(f) for f in np.flatnonzero(table[:-1] == ids[pos]) if f != full[pos]]
+    if seen is None or seen.pool_indices is None or not peers:
+        return {"owner": None, "owner_token": None}
+    found = find_owner(seen.runner.req_to_token_pool.req_to_token, seen.pool_indices[:seen.batch_size], seen.rids,
+                       peers[0])
+    return {"owner": found[0] if found else None, "owner_token": found[1] if found else None}

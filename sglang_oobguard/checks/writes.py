@@ -17,11 +17,14 @@ import torch
 from ..model.config import Backend, Mode
 from ..model.discover import Found
 from ..model.log import logger
-from ..model.violation import is_site_label
+from ..model.swatargets import SWA_DOORS
+from ..model.violation import is_site_label, site_id
 from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
+from . import swa
+from .calls import argument, replaced
 from .guard import Guard
 
 
@@ -98,6 +101,8 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     head_at, head_name = specs[0][1], specs[0][2]
     lens_at = found.rule.lens
     calls = guard.calls
+    door = SWA_DOORS.get((found.owner.__name__, method))  # an SWA pool's door: its SWA ids checked there too
+    door_site = None if door is None else site_id(door)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         outer = calls.current
@@ -119,6 +124,10 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     args, kwargs = replaced(args, kwargs, position, name, given, passed)
                     if position == head_at:
                         head = passed
+            if door_site is not None:
+                args, kwargs = swa.check_door(guard, instance, door_site, args, kwargs, head_at, head_name,
+                                              _layer_id(instance, args, kwargs, found))
+                head = argument(args, kwargs, head_at, head_name)
         except KVOutOfBoundsError:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked
@@ -130,18 +139,6 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
             calls.current = outer
 
     return wrapper
-
-
-def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
-    """The call's arguments with one replaced (positional when it was given so)."""
-    if given:
-        return (*args[:position], value, *args[position + 1:]), kwargs
-    return args, {**kwargs, name: value}
-
-
-def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
-    """One argument of a wrapped call, given by position or by name."""
-    return args[position] if len(args) > position else kwargs.get(name, default)
 
 
 def _layer_id(instance: Any, args: tuple, kwargs: dict, found: Found) -> int:

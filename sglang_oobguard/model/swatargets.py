@@ -23,6 +23,10 @@ FULL_SUBPOOL, SWA_SUBPOOL = "full_kv_pool", "swa_kv_pool"
 MAPPING = "full_to_swa_index_mapping"
 SWA_ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator.swa"  # loads after the plugin: tracked when it does
 
+# SWA pool writes whose SWA ids (KVWriteLoc.swa_loc) are checked at the door against the
+# step's full slots, and the site label of that check.
+SWA_DOORS = {("SWAKVPool", method): f"{method} (SWAKVPool) swa_loc" for method in ("set_kv_buffer", "set_mla_kv_buffer")}
+
 # The SWA allocator families: checked (the pair of id spaces and the mapping), or only
 # named (one id space, no mapping: its sub-allocator is the whole story).
 SWA_CHECKED = ("SWATokenToKVPoolAllocator",)

@@ -29,6 +29,7 @@ class Kind(enum.IntEnum):
     HANDED_OUT = 7  # handed out by the allocator while still handed out (a live slot back on a free list)
     UNMAPPED = 8  # SWA: a full id freed with its SWA peer whose peer is not mapped (freed already: SWA double free)
     PEER_MAPPED = 9  # SWA: a full id freed alone while its SWA peer is still mapped (the peer would leak)
+    SWA_OTHER = 10  # SWA: a token's SWA id is not the translation of its own full slot (full_to_swa_index_mapping)
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -133,6 +134,9 @@ class Violation:
             f" token {self.owner_token}" if self.owner_token is not None else "")
         if self.kind == "other_request":
             return f"{at} is not this token's slot (req_to_token holds {self.expected}){held}{more}"
+        if self.kind == "swa_other":
+            own = f"maps to {self.expected}" if self.expected > 0 else "has none: it left the window or was freed"
+            return f"{at} is not this token's SWA slot (its full slot {own}){held}{more}"
         if self.kind == "duplicate":
             return f"{at} is written by two tokens of this forward step{held}{more}"
         if self.kind == "shared_row":

@@ -11,12 +11,13 @@ torch_native's, through the pool's own `translate_loc_from_full_to_swa`, on SWA 
 only (those called with a sliding window). It changes reads, never a write, so the
 guard sees exactly sglang's writes.
 
-`OOBGUARD_FAULT=site=swa,step=N,value=double|handout` (step counts the decode forwards):
-- `double`: token 0's page goes back to the SWA free list twice, through sglang's own
+`OOBGUARD_FAULT=site=swa,step=N,value=double|handout`, on the first decode forward from
+the Nth on where a token opens a page (so the page is its own request's alone):
+- `double`: that token's page goes back to the SWA free list twice, through sglang's own
   `SWATokenToKVPoolAllocator.free_swa_segment` (an SWA page freed twice);
-- `handout`: token 0's live SWA page is put at the head of the SWA sub-allocator's free
+- `handout`: that token's live SWA page is put at the head of the SWA sub-allocator's free
   list behind every allocator method (as a tool the guard has never seen would), so the
-  next allocation hands it to another request while token 0's request still holds it.
+  next allocation hands it to another request while the token's request still holds it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import torch
 
 _decodes = [0]
+_done: list[int] = []  # the decode the fault was applied on (once per process)
 
 
 def _translated(instance, args: tuple, kwargs: dict) -> tuple:
@@ -55,14 +57,17 @@ def fault(spec: dict[str, str], runner, batch) -> None:
         return
     step = _decodes[0]
     _decodes[0] += 1
-    if step != int(spec["step"]):
-        return
     allocator = runner.token_to_kv_pool_allocator
     page = int(allocator.page_size)
-    full = int(batch.out_cache_loc[0])
-    swa = int(allocator.translate_loc_from_full_to_swa(batch.out_cache_loc[:1])[0])
-    rid = batch.rids[0] if getattr(batch, "rids", None) else None
-    print(f"oobguard_faultinject: swa {spec['value']} at decode {step}: token 0 (rid {rid}) full slot {full}, "
+    opens = (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a token on a page of its own request
+    if step < int(spec["step"]) or _done or not opens:
+        return
+    _done.append(step)
+    token = opens[0]
+    full = int(batch.out_cache_loc[token])
+    swa = int(allocator.translate_loc_from_full_to_swa(batch.out_cache_loc[token:token + 1])[0])
+    rid = batch.rids[token] if getattr(batch, "rids", None) else None
+    print(f"oobguard_faultinject: swa {spec['value']} at decode {step}: token {token} (rid {rid}) full slot {full}, "
           f"SWA slot {swa} (pid {os.getpid()})", file=sys.stderr, flush=True)
     if spec["value"] == "double":
         base = full - full % page
