@@ -268,7 +268,8 @@ def main() -> int:
           f"alloc, 4 layer writes, free_swa + free_full of the tokens that left the window), strict + liveness: "
           f"{swa_row['unguarded']:.0f} us unguarded, {swa_row['guarded']:.0f} us guarded "
           f"({swa_row['step_x']:.2f}x); the SWA checks alone per step: free check {swa_row['free check']:.1f} us, "
-          f"hand-out check {swa_row['hand-out check']:.1f} us per sub-allocator.")
+          f"hand-out check {swa_row['hand-out check']:.1f} us per sub-allocator, door check {swa_row['door check']:.1f} us "
+          f"per SWA layer (the rest of the guarded step is the bound and liveness write checks of every pool).")
     print(f"\nOff (no variable set), in fresh interpreters: the entry point's load() takes "
           f"{off['load_ms'] * 1000:.1f} us (target < 200 us); importing its module first takes "
           f"{off['import_ms']:.2f} ms (an editable install, no bytecode cache). Modules imported beyond the "
