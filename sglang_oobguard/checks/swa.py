@@ -183,7 +183,14 @@ def check_door(guard: Guard, pool: Any, site: int, args: tuple, kwargs: dict, po
     layers = pool.__dict__.get("layers_mapping") or {}
     if not (isinstance(loc, torch.Tensor) and isinstance(swa_loc, torch.Tensor) and isinstance(mapping, torch.Tensor)
             and layers.get(layer_id, (0, False))[1] and guard.on_host(swa_loc) and loc.numel() == swa_loc.numel()):
-        return args, kwargs
+        return args, kwargs  # the device path ends here: what follows reads the ids on the host
+    return _check_door_host(guard, pool, site, args, kwargs, position, name, layer_id, value, mapping)
+
+
+def _check_door_host(guard: Guard, pool: Any, site: int, args: tuple, kwargs: dict, position: int, name: str,
+                     layer_id: int, value: Any, mapping: torch.Tensor) -> tuple[tuple, dict]:
+    """`check_door` on host ids (numpy over the ids and the mapping's memory)."""
+    loc, swa_loc = value.loc, value.swa_loc
     seen = (guard.steps.number, id(loc), id(swa_loc))  # a step's SWA layers share its ids: checked once
     if guard.calls.depth and pool.__dict__.get(SEEN_ATTR) == seen:
         return args, kwargs
