@@ -33,6 +33,12 @@ class CallState(threading.local):
         self.capturing = False  # the memo belongs to a graph capture
 
 
+def memo_key(pool: Any, high: int, param: int, ids: torch.Tensor, lens: Optional[torch.Tensor], live: bool) -> tuple:
+    """The memo's key: ids probed on a pool against a bound, as one id parameter, with
+    these lens, with or without the shadow (objects by identity: the memo holds them)."""
+    return id(pool), high, param, id(ids), id(lens), live
+
+
 def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
     """The call's arguments with one replaced (positional when it was given so)."""
     if given:
