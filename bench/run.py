@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from swa_step import swa_step_row
+
 ASYNC_ASSERT = "SGLANG_ENABLE_ASYNC_ASSERT"
 LIVENESS = "SGLANG_OOBGUARD_LIVENESS"
 SIZE, PAGE, HEADS, DIM = 8192, 1, 8, 128
@@ -271,6 +273,7 @@ def main() -> int:
     rows = write_rows(args.quick)
     steps = step_rows(args.quick)
     cold = cold_rows(args.quick)
+    swa_row = swa_step_row(args.quick, per_call_us, ratio)
     off = off_rows(args.quick)
     import sglang
 
@@ -308,6 +311,12 @@ def main() -> int:
     for r in steps:
         print(f"| {r['layers']} | {r['probes_before']} | {r['probes']} | {r['unguarded']:.0f} us | {r['guarded']:.0f} us "
               f"| {r['step_x']:.2f}x |")
+    print(f"\nSliding-window step (SWAKVPool + SWATokenToKVPoolAllocator, page 1, 4 layers, batch {swa_row['batch']}: "
+          f"alloc, 4 layer writes, free_swa + free_full of the tokens that left the window), strict + liveness: "
+          f"{swa_row['unguarded']:.0f} us unguarded, {swa_row['guarded']:.0f} us guarded "
+          f"({swa_row['step_x']:.2f}x); the SWA checks alone per step: free check {swa_row['free check']:.1f} us, "
+          f"hand-out check {swa_row['hand-out check']:.1f} us per sub-allocator, door check {swa_row['door check']:.1f} us "
+          f"per SWA layer (the rest of the guarded step is the bound and liveness write checks of every pool).")
     print(f"\nOff (no variable set), in fresh interpreters: the entry point's load() takes "
           f"{off['load_ms'] * 1000:.1f} us (target < 200 us); importing its module first takes "
           f"{off['import_ms']:.2f} ms (an editable install, no bytecode cache). Modules imported beyond the "

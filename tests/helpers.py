@@ -131,6 +131,11 @@ FACTS: dict[str, Fact] = {
                         "0.5.6 - 0.5.7: on a CPU without AMX it imports vllm's activations)"),
     "plugin loader": Fact(lambda: _module("sglang.srt.plugins") is not None, "0.5.11"),  # sglang.srt.plugins
     "dsa_cache_layer_split": Fact(lambda: _module("sglang.srt.mem_cache.dsa_cache_layer_split") is not None, "0.5.16"),
+    "SWATokenToKVPoolAllocator": Fact(_has("sglang.srt.mem_cache.allocator.swa", "SWATokenToKVPoolAllocator"), "0.5.16"),
+    "PureSWATokenToKVPoolAllocator": Fact(_has("sglang.srt.mem_cache.allocator.swa", "PureSWATokenToKVPoolAllocator"),
+                                          "0.5.16"),
+    "DeepSeekV4SingleKVPool": Fact(_has("sglang.srt.mem_cache.deepseek_v4_memory_pool", "DeepSeekV4SingleKVPool"),
+                                   "0.5.12"),
     "PagedTokenToKVPoolAllocator.free_page_ids": Fact(
         _has("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator.free_page_ids"), "0.5.20"),
     # PD disaggregation's decode side: the queue methods the KV transfer check hooks
@@ -252,6 +257,25 @@ def cuda_pool(mp, size: int = 64, layers: int = 4):
 def cuda_kv(n: int) -> torch.Tensor:
     """K or V for n tokens of cuda_pool."""
     return torch.randn(n, 8, 128, dtype=torch.bfloat16, device="cuda")
+
+
+def swa_pool(page_size: int = 1, size: int = 64, size_swa: int = 32, full_layers=(1, 3)):
+    """sglang's SWAKVPool on the CPU: model layers 0 and 2 sliding (size_swa rows), the
+    others full (size rows), 2 KV heads x 4."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    swa_layers = [i for i in range(4) if i not in full_layers]
+    return SWAKVPool(size=size, size_swa=size_swa, page_size=page_size, dtype=torch.float32, head_num=2, head_dim=4,
+                     swa_attention_layer_ids=swa_layers, full_attention_layer_ids=list(full_layers), device="cpu",
+                     enable_memory_saver=False)
+
+
+def swa_allocator(pool):
+    """sglang's SWATokenToKVPoolAllocator over an SWAKVPool (page-1 or paged sub-allocators)."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    return SWATokenToKVPoolAllocator(pool.size, pool.size_swa, page_size=pool.page_size, dtype=torch.float32,
+                                     device="cpu", kvcache=pool, need_sort=False)
 
 
 def token_allocator(allocators, pool):

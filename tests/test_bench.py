@@ -31,6 +31,10 @@ def test_cpu_benchmark_prints_every_row():
         assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \|$", out, re.M), out
     for layers in (1, 80):  # probes per step: one per layer before the step check, one after
         assert re.search(rf"^\| {layers} \| {layers} \| 1 \| \d+ us \| \d+ us \| [\d.]+x \|$", out, re.M), out
+    assert re.search(r"^Sliding-window step .*batch 8: .* strict \+ liveness: \d+ us unguarded, \d+ us guarded "
+                     r"\([\d.]+x\); the SWA checks alone per step: free check [\d.]+ us, hand-out check [\d.]+ us per "
+                     r"sub-allocator, door check [\d.]+ us per SWA layer", out,
+                     re.M), out
     assert re.search(r"load\(\) takes [\d.]+ us", out)
     assert "Modules imported beyond the standard library: sglang_oobguard, sglang_oobguard.plugin." in out
     assert re.search(r"load_plugins\(\): ([1-9]\d*) of \1 write methods are the original function objects", out), out

@@ -9,7 +9,7 @@ import venv
 from importlib.metadata import version
 
 from helpers import ROOT, has, run_python
-from sglang_oobguard.model.targets import HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
+from sglang_oobguard.model.transfertargets import HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
 
 DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['doctor']))"
 # What the doctor's own discovery should list, from the same walk in a second interpreter.
@@ -42,7 +42,10 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
            "and on NPU, XPU and MUSA tensors at one host sync per write); liveness: off (set SGLANG_OOBGUARD_LIVENESS=1" in out
     assert f"report files: {folder} (writable; summarise with: python -m sglang_oobguard report {folder})" in out
     assert "  TokenToKVPoolAllocator.alloc " in out and "  PagedTokenToKVPoolAllocator.alloc_extend " in out
-    assert "liveness not tracked (bound check only): " in out and "SWATokenToKVPoolAllocator" in out
+    assert "liveness not tracked (bound check only): " in out and "UnifiedSWATokenToKVPoolAllocator" in out
+    assert "liveness tracks these allocator families:\n  TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator: " in out
+    assert "\n  SWATokenToKVPoolAllocator: both id spaces" in out and "  SWATokenToKVPoolAllocator.free_full " in out
+    assert "SWAKVPool.set_index_k_scale_buffer" in out and "DeepSeek-V4 composite pool" in out
     expected = run_python(EXPECTED, {})
     rows = json.loads(expected.stdout.strip().splitlines()[-1])
     assert any(kind == "guarded" for *_, kind in rows)

@@ -21,7 +21,7 @@ import sglang_oobguard
 from helpers import Layer, mha, token_allocator
 from sglang_oobguard.checks import guard as guard_mod
 from sglang_oobguard.probes import device, hostscan, kernels, pools, record, shadow
-from sglang_oobguard.checks import liveness, stepcheck, writes
+from sglang_oobguard.checks import liveness, stepcheck, swa, writes
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
@@ -87,7 +87,8 @@ HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_
             kernels.launch, kernels.programs, record.PoolRecord.poll, record.PoolRecord.unreported,
             liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages,
             liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end, liveness._update,
-            liveness._counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin]
+            liveness.counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin,
+            swa.make_wrapper, swa.make_mapping_hook, swa.check_door]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 
@@ -103,3 +104,35 @@ def test_hot_path_source_calls_no_host_read():
                     assert (name, owner) == ("tolist", "self._mirror_view"), f"{fn.__qualname__}: {owner}.{name}()"
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "bool":
                 raise AssertionError(f"{fn.__qualname__}: bool() on the hot path")
+
+
+def test_the_swa_checks_add_no_host_sync_on_the_device_path(guard):
+    """SWAKVPool and its SWA allocator through one step's life (hand-out, a write per layer,
+    SWA slots leaving the window, the rest freed), the device path forced: the guard adds
+    no syncing op to those sglang's own SWA allocator makes (its CPU frees read values)."""
+    from collections import Counter
+
+    from helpers import needs, swa_allocator, swa_pool
+    needs("SWATokenToKVPoolAllocator", "KVWriteLoc")
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    def life() -> Counter:
+        pool = swa_pool(1)
+        allocator = swa_allocator(pool)
+        k = torch.zeros(4, 2, 4)
+        with OpLog() as log:
+            loc = allocator.alloc(4)
+            for layer in range(4):
+                pool.set_kv_buffer(Layer(layer), KVWriteLoc(loc, swa_loc=allocator.translate_loc_from_full_to_swa(loc)),
+                                   k, k)
+            allocator.free_swa(loc[:2])
+            allocator.free_full(loc[:2])
+            allocator.free(loc[2:])
+        return Counter(op for op in log.ops if op in SYNCING)
+
+    sglang_oobguard.uninstall()
+    life()  # sglang's first-call work (one-time reads) out of the comparison
+    unguarded = life()
+    guard("raise", backend="triton", poll_every=1000, liveness=True)
+    guarded = life()
+    assert guarded == unguarded, (guarded, unguarded)

@@ -26,7 +26,7 @@ def test_rules_own_beats_contract_and_labels_follow_upstream():
     assert rule_for("MLATokenToKVPool", "set_mla_kv_buffer").ids[0].bound is DCP_TOKEN_SLOTS
     assert rule_for("MLATokenToKVPoolFP4", "set_mla_kv_buffer").ids[0].bound is TOKEN_SLOTS  # upstream: no widening
     assert rule_for("AnyPool", "set_kv_buffer") is CONTRACT["set_kv_buffer"]
-    assert rule_for("DeepSeekV4SingleKVPool", "set_key_buffer") is None  # no rule: not guarded
+    assert rule_for("DeepSeekV4TokenToKVPool", "set_swa_key_buffer") is None  # no rule: not guarded
     move = rule_for("MHATokenToKVPool", "move_kv_cache")
     assert [label_for("MHATokenToKVPool", "move_kv_cache", ids) for ids in move.ids] == [
         "move_kv_cache tgt_loc", "move_kv_cache src_loc"]

@@ -14,10 +14,10 @@ from typing import Any
 from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from ..model.quiet import quiet
-from ..model.targets import (DRAIN_ARMED, DRAIN_SIGNAL, FUSED_WRITERS, HICACHE_METHODS, HICACHE_POOLS, MEMORY_POOL,
-                             POOL_IDS, STEP_HOOK, SUPPORTED, TESTED,
-                             TRANSFER_HOOKS, UNMAPPED, is_supported, module_file, version_of_sglang,
-                             write_map_off)
+from ..model.swatargets import FAMILIES
+from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED,
+                             is_supported, module_file, version_of_sglang, write_map_off)
+from ..model.transfertargets import DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
 from ..model.violation import site_label
 
 
@@ -180,7 +180,10 @@ def _print_allocators(targets: Any) -> None:
         print(f"liveness tracks nothing: {targets}")
         return
     methods, untracked = targets
-    print(f"liveness tracks ({len(methods)} allocator methods):")
+    print("liveness tracks these allocator families:")
+    for family, how in FAMILIES:
+        print(f"  {family}: {how}")
+    print(f"liveness wraps ({len(methods)} allocator methods):")
     for target in methods:
         print(f"  {target.qualname:48} {target.role.value}")
     print("liveness not tracked (bound check only): " + (", ".join(untracked) or "none"))

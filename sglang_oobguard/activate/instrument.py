@@ -24,20 +24,20 @@ import wrapt
 
 from ..checks import flush
 from ..checks.guard import Guard
-from ..checks.liveness import make_wrapper as make_allocator_wrapper
 from ..checks.stepcheck import make_forward_hook
 from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 from ..model import config as config_mod
-from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover, pool_classes,
-                              resolve, write_methods)
+from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover,
+                              pool_classes, resolve, write_methods)
+from ..model.swatargets import FAMILIES_SHORT, SWA_ALLOCATOR_MODULE
 from ..model.log import ensure_visible, logger
 from ..model.targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
                              version_of_sglang, write_map_off)
 from ..model.violation import Violation
 from ..report.files import open_report
 from ..report.owntime import OwnTime
-from . import kvhooks
+from . import kvhooks, swahooks
 
 _MISSING = object()
 
@@ -82,6 +82,10 @@ class Patches:
         wrapt.wrap_function_wrapper(owner, name, wrapper)
         self.made.append(Patch(owner, name, before, entry))
 
+    def of_kind(self, kind: str) -> Callable[[Any, str, Callable[..., Any]], None]:
+        """`wrap` with its kind given: what the hooks of one family are handed."""
+        return lambda owner, name, wrapper: self.wrap(owner, name, wrapper, kind)
+
     def undo(self, which: Callable[[Patch], bool] = lambda patch: True) -> None:
         """Put back, newest first, what each chosen patch replaced."""
         for patch in reversed([p for p in self.made if which(p)]):
@@ -99,6 +103,7 @@ class Instrumentor:
     def instrument(self, base: type) -> list[str]:
         """Wrap what discovery finds; returns the methods a reader should know are not guarded."""
         skipped = self.guard_classes(discover(base))
+        swahooks.hook_pools(pool_classes(base), self.guard, self.patches.of_kind("other"))
         self.patches.wrap(base, "__init__", make_constructor_hook(self.guard), "other")
         self._hook_new_classes(base)
         classes = set(pool_classes(base))  # exact types: an ABC subclass check per object costs seconds
@@ -149,16 +154,14 @@ class Instrumentor:
         return skipped
 
     def track_allocators(self) -> None:
-        """Wrap the tracked allocators' methods; name the allocators whose pools get the
-        bound check only."""
+        """Wrap the tracked allocators' methods; name those whose pools get the bound check only."""
         targets = allocator_targets()
         if isinstance(targets, str):
             logger.warning("sglang_oobguard: liveness NOT tracked: %s", targets)
             return
         methods, untracked = targets
         for target in methods:
-            self.patches.wrap(target.owner, target.method, make_allocator_wrapper(target, self.guard), "allocator",
-                              target)
+            self.patches.wrap(target.owner, target.method, swahooks.allocator_wrapper(target, self.guard), "allocator", target)
         if untracked:
             logger.warning("sglang_oobguard: liveness not tracked for the pools of %s (bound check only)",
                            ", ".join(untracked))
@@ -180,6 +183,7 @@ class Instrumentor:
             else:
                 super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]  # base is a class
             late = self.guard_classes([resolve(cls, name) for name in write_methods(cls)])
+            swahooks.hook_pools([cls], self.guard, self.patches.of_kind("other"))
             if late:
                 logger.warning("sglang_oobguard: not guarded: %s", "; ".join(late))
 
@@ -201,7 +205,8 @@ _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hoo
 
 
 def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, *kvhooks.MODULES, *(module for writer in FUSED_WRITERS for module in writer.modules)]
+    return [STEP_HOOK.module, SWA_ALLOCATOR_MODULE, *kvhooks.MODULES,
+            *(module for writer in FUSED_WRITERS for module in writer.modules)]
 
 
 def _when_imported(module: str) -> None:
@@ -219,8 +224,9 @@ def _when_imported(module: str) -> None:
 def _on_import(module: ModuleType) -> None:
     if _active is not None:
         try:
-            patches = _active.patches
-            kvhooks.hook(module, _active.guard, lambda owner, name, hook: patches.wrap(owner, name, hook, "transfer"))
+            kvhooks.hook(module, _active.guard, _active.patches.of_kind("transfer"))
+            if module.__name__ == SWA_ALLOCATOR_MODULE and _active.guard.config.liveness:
+                _active.track_allocators()  # the SWA allocators' module loads after the plugin runs
             _active.patch_module(module)
         except Exception as exc:  # never raised into sglang's import
             _active.guard.internal_error(f"patching {module.__name__}", exc)
@@ -274,7 +280,7 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
                 "defined so far), sglang %s, liveness=%s (owner check %s), %s", os.getpid(),
                 config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
-                version, "on" if config.liveness else "off", "on" if config.liveness else "off",
+                version, f"on (tracks {FAMILIES_SHORT})" if config.liveness else "off", "on" if config.liveness else "off",
                 f"write map off ({write_map_off()})" if write_map_off() else
                 f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})")
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]

@@ -13,7 +13,8 @@ from ..checks.hicache import make_wrapper as make_hicache_wrapper
 from ..checks.transfer import make_hook as make_transfer_hook
 from ..checks.guard import Guard
 from ..model.log import logger
-from ..model.targets import HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS, TRANSFER_MODULES, module_file
+from ..model.targets import module_file
+from ..model.transfertargets import HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS, TRANSFER_MODULES
 
 Wrap = Callable[[Any, str, Callable[..., Any]], None]  # (owner, attribute, wrapt wrapper)
 MODULES = (*TRANSFER_MODULES, *(where for where, _ in HICACHE_POOLS))

@@ -2,7 +2,8 @@
 
 sglang 0.4.x runs the forward on a thread of its own, beside the scheduler's, so
 nothing of a call in progress may be a process global: each thread has its own
-innermost guarded call, free in progress, step depth and per-step memo.
+innermost guarded call, free in progress, step depth and per-step memo. Also the two
+helpers every wrapper uses to read and replace one argument of a wrapped call.
 """
 
 from __future__ import annotations
@@ -36,3 +37,15 @@ def memo_key(pool: Any, high: int, param: int, ids: torch.Tensor, lens: Optional
     """The memo's key: ids probed on a pool against a bound, as one id parameter, with
     these lens, with or without the shadow (objects by identity: the memo holds them)."""
     return id(pool), high, param, id(ids), id(lens), live
+
+
+def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
+    """The call's arguments with one replaced (positional when it was given so)."""
+    if given:
+        return (*args[:position], value, *args[position + 1:]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
+    """One argument of a wrapped call, given by position or by name."""
+    return args[position] if len(args) > position else kwargs.get(name, default)

@@ -6,7 +6,7 @@ neither goes through a pool method or `out_cache_loc`. Both take the device slot
 (`device_indices`) from the cache controller: fresh slots for a load-back, the tree
 node's or the request's own for a retraction restore and a backup. So each call of
 the host pools' `load_to_device_per_layer` and `backup_from_device_all_layer`
-(`targets.HICACHE_POOLS`) is probed like a write of the device pool: the bound
+(`transfertargets.HICACHE_POOLS`) is probed like a write of the device pool: the bound
 (`POOL_IDS`) and, with liveness, the shadow (a load into a slot the allocator has
 taken back); on a GPU by the kernel, without a host sync, and contained in warn and
 raise mode (bad ids go to padding slot 0). Which request or node holds a slot is not

@@ -28,7 +28,7 @@ from ..model.config import Mode
 from ..model.discover import AllocatorMethod, base_class
 from ..model.log import logger
 from ..model.targets import ALLOCATOR_METHODS, BASE_CLASS, MEMORY_POOL, POOL_OF_ALLOCATOR, TRACKED_ALLOCATORS, Role
-from ..model.violation import free_site_id
+from ..model.violation import Kind, free_site_id
 from ..probes import device, hostscan, kernels, shadow
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..report.reporter import KVOutOfBoundsError
@@ -42,7 +42,7 @@ BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup
 # A handler gets (guard, allocator, its state, site, call) and returns the result.
 
 
-class _Call:
+class Call:
     """One allocator call: the wrapped method and its arguments, which a free's
     containment may replace (warn mode on the host: only the live ids go back)."""
 
@@ -64,14 +64,16 @@ class _Call:
         return self.wrapped(*self.args, **self.kwargs)
 
 
-def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
+def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     result = call()
     if isinstance(result, torch.Tensor) and state.live is not None:
+        if result.numel() and guard.on_host(result):  # a live page handed out again (the GPU path: not yet)
+            checked(guard, lambda: check_hand_out(guard, state, site, result))
         _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result)))
     return result
 
 
-def _backup(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
+def _backup(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     result = call()
     if state.live is not None:
         _quietly(guard, "backup_state", lambda: _backup_into(guard, allocator, state))
@@ -86,7 +88,7 @@ def _backup_into(guard: Guard, allocator: Any, state: PoolState) -> None:
     _update(state, lambda live: saved.copy_(live.flags))
 
 
-def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
+def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     result = call()
     saved = allocator.__dict__.get(BACKUP_ATTR)
     if saved is not None and state.live is not None:
@@ -94,27 +96,27 @@ def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: _C
     return result
 
 
-def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call, in_pages: bool) -> Any:
+def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call, in_pages: bool) -> Any:
     ids = call.ids
     if isinstance(ids, torch.Tensor) and ids.numel() and _releases_now(allocator):
         if guard.on_host(ids):  # pages a KV transfer still writes: reported, and held back in warn mode
             free = getattr(allocator, call.method)
-            unheld = _checked(guard, lambda: transfer.on_free(guard, state, site, ids, in_pages, free))
+            unheld = checked(guard, lambda: transfer.on_free(guard, state, site, ids, in_pages, free))
             if unheld is not None:
                 call.ids = ids = unheld
-        contained = _checked(guard, lambda: check_free(guard, state, site, ids, in_pages)) if ids.numel() else None
+        contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages)) if ids.numel() else None
         if contained is not None:
             call.ids = contained
-    return _counted(guard, allocator, "free", call)
+    return counted(guard, allocator, "free", call)
 
 
-def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
+def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     group = getattr(allocator, "free_page_ids_group", None) or []
     for i, page_ids in enumerate(group):
-        contained = _checked(guard, lambda: check_free(guard, state, site, page_ids, True))
+        contained = checked(guard, lambda: check_free(guard, state, site, page_ids, True))
         if contained is not None:
             group[i] = contained
-    return _counted(guard, allocator, "group", call)
+    return counted(guard, allocator, "group", call)
 
 
 FAMILIES = {Role.FREE: "free", Role.FREE_PAGES: "free", Role.GROUP_END: "group"}
@@ -149,17 +151,27 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         if state is None or state.live is None:
             return wrapped(*args, **kwargs)
         return HANDLERS[role](guard, instance, state, free_site(method, role, type(instance)),
-                              _Call(wrapped, args, kwargs, method))
+                              Call(wrapped, args, kwargs, method))
 
     return wrapper
 
 
 def free_site(method: str, role: Role, cls: type) -> int:
     """The site id of an allocator method, e.g. "free (TokenToKVPoolAllocator)"."""
-    return free_site_id(f"{method} ({cls.__name__})", "page_ids" if role is Role.FREE_PAGES else "free_index")
+    param = {Role.FREE_PAGES: "page_ids", Role.ALLOC: "handed_out"}.get(role, "free_index")
+    return free_site_id(f"{method} ({cls.__name__})", param)
 
 
-def _counted(guard: Guard, allocator: Any, family: str, call: _Call) -> Any:
+def check_hand_out(guard: Guard, state: PoolState, site: int, ids: torch.Tensor) -> None:
+    """Report ids the allocator hands out on pages still handed out (host ids only)."""
+    assert state.live is not None
+    finding = hostscan.scan_handed_out(ids, state.live)
+    if finding is not None:
+        record = finding.record(site, -1, state.live.high, ids.numel(), guard.steps.number)
+        guard.report_now(state, record._replace(kind=Kind.HANDED_OUT))
+
+
+def counted(guard: Guard, allocator: Any, family: str, call: Call) -> Any:
     """Run a free with the family marked, so a nested free of the same family
     (free_page_ids calling free) is not checked twice."""
     calls = guard.calls
@@ -187,7 +199,7 @@ def _quietly(guard: Guard, where: str, work: Callable[[], Any]) -> None:
         guard.internal_error(where, exc)
 
 
-def _checked(guard: Guard, work: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+def checked(guard: Guard, work: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
     """A free's check: a reported violation raises (strict, raise); anything else the
     guard hits is logged once and the free goes on as sglang asked."""
     try:

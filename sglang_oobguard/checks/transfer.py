@@ -32,7 +32,7 @@ import torch
 
 from ..model.config import Mode
 from ..model.log import logger
-from ..model.targets import DRAIN_ARMED, DRAIN_SIGNAL
+from ..model.transfertargets import DRAIN_ARMED, DRAIN_SIGNAL
 from ..model.violation import Kind, site_id
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record

@@ -21,7 +21,8 @@ from ..probes import device
 from ..probes.pools import NAME_ATTR, SITES_ATTR
 from ..report.reporter import KVOutOfBoundsError
 from .guard import Guard
-from .writes import argument, check_write, replaced
+from .calls import argument, replaced
+from .writes import check_write
 
 
 class WriterSite:

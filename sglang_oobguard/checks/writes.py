@@ -17,12 +17,14 @@ import torch
 from ..model.config import Backend, Mode
 from ..model.discover import Found
 from ..model.log import logger
-from ..model.violation import is_site_label
+from ..model.swatargets import SWA_DOORS
+from ..model.violation import is_site_label, site_id
 from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
-from .calls import memo_key
+from . import swa
+from .calls import argument, memo_key, replaced
 from .guard import Guard
 
 
@@ -118,7 +120,10 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                   for param, (ids, name, site) in enumerate(zip(found.rule.ids, found.id_names, found.sites)))
     head_at, head_name = specs[0][1], specs[0][2]
     lens_at = found.rule.lens
-    lean = len(specs) == 1 and lens_at is None and specs[0][5]  # one id tensor of token slots, all written
+    door = SWA_DOORS.get((found.owner.__name__, method))  # an SWA pool's door: its SWA ids checked there too
+    door_site = None if door is None else site_id(door)
+    # one id tensor of token slots, all written, nothing else checked at this door: the fast path may answer
+    lean = len(specs) == 1 and lens_at is None and specs[0][5] and door is None
     head_high = specs[0][3]
     calls = guard.calls
 
@@ -149,12 +154,16 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                 if not isinstance(loc, torch.Tensor):
                     continue
                 checked = check_write(guard, instance, site, param, loc, high(instance),
-                                      lambda: _layer_id(args, kwargs, found), lens, slots)
+                                      lambda: _layer_id(instance, args, kwargs, found), lens, slots)
                 if checked is not loc:
                     passed = checked if value is loc else dataclasses.replace(value, loc=checked)
                     args, kwargs = replaced(args, kwargs, position, name, given, passed)
                     if position == head_at:
                         head = passed
+            if door_site is not None:
+                args, kwargs = swa.check_door(guard, instance, door_site, args, kwargs, head_at, head_name,
+                                              _layer_id(instance, args, kwargs, found))
+                head = argument(args, kwargs, head_at, head_name)
         except KVOutOfBoundsError:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked
@@ -168,25 +177,15 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     return wrapper
 
 
-def replaced(args: tuple, kwargs: dict, position: int, name: str, given: bool, value: Any) -> tuple[tuple, dict]:
-    """The call's arguments with one replaced (positional when it was given so)."""
-    if given:
-        return (*args[:position], value, *args[position + 1:]), kwargs
-    return args, {**kwargs, name: value}
-
-
-def argument(args: tuple, kwargs: dict, position: int, name: str, default: Any = None) -> Any:
-    """One argument of a wrapped call, given by position or by name."""
-    return args[position] if len(args) > position else kwargs.get(name, default)
-
-
-def _layer_id(args: tuple, kwargs: dict, found: Found) -> int:
+def _layer_id(instance: Any, args: tuple, kwargs: dict, found: Found) -> int:
     """`layer_id_override` when given (wrapper pools pass layer=None), else the layer's
     id: a RadixAttention's `layer_id`, or the int that index writes take. -1: none."""
     at = found.override_index
     override = args[at] if at is not None and len(args) > at else kwargs.get("layer_id_override")
-    if override is not None:
-        return int(override)
+    if override is not None:  # a sub-pool's own index (SWA, hybrid): the model's layer where the pool maps it
+        layers = getattr(instance, "model_layer_ids", None)
+        index = int(override) - int(getattr(instance, "start_layer", 0) or 0)
+        return int(layers[index]) if isinstance(layers, tuple) and 0 <= index < len(layers) else int(override)
     if found.layer_name is None or found.rule.layer is None:
         return -1
     layer = argument(args, kwargs, found.rule.layer, found.layer_name)

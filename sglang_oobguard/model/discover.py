@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from .targets import (ALLOCATOR_BASE, ALLOCATOR_METHODS, ALLOCATOR_MODULE, BASE_CLASS, MEMORY_POOL, TRACKED_ALLOCATORS,
                       WRITE_METHOD, Role, Rule, label_for, rule_for)
+from .swatargets import DSV4_UNREAD, FORWARDED, SWA_CHECKED, SWA_METHODS, SWA_NAMED_ONLY, SwaRole
 from .violation import site_id
 
 # Modules that define pools outside memory_pool; `doctor` imports them to show the
@@ -89,9 +90,13 @@ def resolve(owner: type, method: str) -> Union[Found, Skipped]:
     design = by_design(original)
     if design:
         return Skipped(owner, method, design, True)
+    forwarded = FORWARDED.get((owner.__name__, method))
+    if forwarded is not None:  # takes no ids of its own: guarded where they land
+        return Skipped(owner, method, forwarded, True)
     rule = rule_for(owner.__name__, method)
     if rule is None:
-        return Skipped(owner, method, "no bound rule known for its ids", False)
+        why = DSV4_UNREAD if owner.__name__.startswith("DeepSeekV4") else "no bound rule known for its ids"
+        return Skipped(owner, method, why, False)
     params = list(inspect.signature(original).parameters.values())[1:]  # drop self
     names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     for ids in rule.ids:
@@ -184,7 +189,7 @@ class AllocatorMethod(Method):
     """One allocator method to wrap (where it is defined) and what it does."""
 
     original: Callable[..., Any]
-    role: Role
+    role: Union[Role, SwaRole]
 
 
 def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
@@ -195,15 +200,18 @@ def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
     except (ImportError, AttributeError) as exc:
         return f"{ALLOCATOR_MODULE}.{ALLOCATOR_BASE} is not importable: {type(exc).__name__}: {exc}"
     classes = [cls for cls in pool_classes(base) if cls is not base]
-    tracked = [cls for cls in classes if cls.__name__ in TRACKED_ALLOCATORS]
     methods: dict[tuple[type, str], AllocatorMethod] = {}
-    for cls in tracked:
-        for name, role in ALLOCATOR_METHODS.items():
-            owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
-            if owner is None or (owner, name) in methods:
-                continue
-            original = owner.__dict__[name]
-            original = getattr(original, "__wrapped__", original)
-            if not by_design(original):  # e.g. the token allocator's alloc_extend: raises, hands out nothing
-                methods[owner, name] = AllocatorMethod(owner, name, original, role)
-    return list(methods.values()), [cls.__name__ for cls in classes if cls not in tracked]
+    families: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+        (TRACKED_ALLOCATORS, ALLOCATOR_METHODS), (SWA_CHECKED, {name: spec.role for name, spec in SWA_METHODS.items()})]
+    for names, roles in families:
+        for cls in (cls for cls in classes if cls.__name__ in names):
+            for name, role in roles.items():
+                owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+                if owner is None or (owner, name) in methods:
+                    continue
+                original = owner.__dict__[name]
+                original = getattr(original, "__wrapped__", original)
+                if not by_design(original):  # e.g. the token allocator's alloc_extend: raises, hands out nothing
+                    methods[owner, name] = AllocatorMethod(owner, name, original, role)
+    known = TRACKED_ALLOCATORS + SWA_CHECKED + SWA_NAMED_ONLY
+    return list(methods.values()), [cls.__name__ for cls in classes if cls.__name__ not in known]

@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .swatargets import dsv4_slots
+
 # Supported versions, declared up front: the releases the CI matrix runs, oldest to
 # newest. A class or method that a release lacks is skipped and named in a log line;
 # outside the range the guard still installs what fits, and the same line says so.
@@ -76,6 +78,7 @@ DCP_TOKEN_SLOTS = Bound("(size + page_size) * _write_loc_dcp_span", _dcp_token_s
 # wherever decode context parallelism is off (upstream's fix of the same false positive: #33432).
 POOL_IDS = DCP_TOKEN_SLOTS
 NPU_INDEX_SLOTS = Bound("index_size + index_page_size * index_page_padding", _npu_index_slots)
+DSV4_SLOTS = Bound("ceil((size + global_page_size) / page_size) * page_size", dsv4_slots)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,11 @@ OWN: dict[tuple[str, str], Rule] = {
     ("MiniMaxM3Nvfp4IndexKPool", "set_k_buffer"): WRITE,
     ("MiniMaxM3Nvfp4IndexKPool", "set_quantized_k_buffer"): WRITE,
     ("MiniMaxM3Nvfp4MainKVPool", "set_quantized_kv_buffer"): WRITE,
+    # DeepSeek-V4's leaf pools: token ids into pages of rows (deepseek_v4_memory_pool.py)
+    **{(cls, method): Rule((Ids(1, ("loc",), DSV4_SLOTS),)) for cls, method in (
+        ("DeepSeekV4SingleKVPool", "set_key_buffer"), ("DeepSeekV4SingleKVPool", "set_key_buffer_fused"),
+        ("DeepSeekV4UniformFP8KVPool", "set_key_buffer_fused"), ("DeepSeekV4IndexerPool", "set_index_k_scale_buffer"),
+        ("DeepSeekV4IndexerPool", "set_index_fused"), ("DeepSeekV4IndexerPool", "set_index_fp4"))},
 }
 
 # Upstream's labels for the sites its own probe checks (0.5.13+); other sites are
@@ -254,25 +262,6 @@ def label_for(class_name: str, method: str, ids: Ids) -> str:
         return f"move_kv_cache{ids.suffix}"
     return LABELS.get((class_name, method), f"{method} ({class_name})")
 
-
-# -- KV transfers (PD disaggregation, with liveness; `checks.transfer`) --------------
-TRANSFER_MODULES = ("sglang.srt.disaggregation.decode", "sglang.srt.disaggregation.prefill")
-# (module, class, method, what the hook does: `checks.transfer.HOOK_ROLES` says it in words)
-_DECODE, _PREFILL = TRANSFER_MODULES
-TRANSFER_HOOKS = ((_DECODE, "DecodePreallocQueue", "_send_kv_metadata", "send"),
-                  (_DECODE, "DecodeTransferQueue", "_poll_with_metadata_gate", "poll"),
-                  (_DECODE, "DecodeTransferQueue", "_poll_with_staging", "poll"),
-                  (_DECODE, "DecodeTransferQueue", "resolve_deferred_releases", "resolve"),
-                  (_DECODE, "DecodeTransferQueue", "has_pending_deferred_releases", "pending"),
-                  (_PREFILL, "SchedulerDisaggregationPrefillMixin", "_send_kv_chunk", "prefill"))
-# The backends' drain signal after an abort or failure (CommonKVManager's), armed by sglang's
-# deferred release; without it (the fake backend, or the release off) Failed ends a transfer.
-DRAIN_SIGNAL, DRAIN_ARMED = "is_abort_release_safe", "enable_deferred_decode_kv_release"
-# HiCache (`checks.hicache`): the host pools whose loads into and backups from device slots take
-# the device pool's own token ids (other host pools' ids are virtual or paged: not checked).
-HICACHE_POOLS = (("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost"),
-                 ("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost"))
-HICACHE_METHODS = (("load_to_device_per_layer", "host->device load"), ("backup_from_device_all_layer", "device->host backup"))
 
 # -- liveness (SGLANG_OOBGUARD_LIVENESS): the allocators that hand slots out --------
 

@@ -26,7 +26,11 @@ class Kind(enum.IntEnum):
     DUPLICATE = 4  # the same slot written by two tokens of one forward step
     SHARED_ROW = 5  # two requests of one forward step share a req_to_token row
     OWNED = 6  # written by one request while another running request owns the slot (liveness)
-    IN_FLIGHT = 7  # a page freed while a KV transfer into it is in flight (PD decode side, `transfer`)
+    HANDED_OUT = 7  # handed out by the allocator while still handed out (a live slot back on a free list)
+    UNMAPPED = 8  # SWA: a full id freed with its SWA peer whose peer is not mapped (freed already: SWA double free)
+    PEER_MAPPED = 9  # SWA: a full id freed alone while its SWA peer is still mapped (the peer would leak)
+    SWA_OTHER = 10  # SWA: a token's SWA id is not the translation of its own full slot (full_to_swa_index_mapping)
+    IN_FLIGHT = 11  # a page freed while a KV transfer into it is in flight (PD decode side, `transfer`)
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -128,10 +132,20 @@ class Violation:
             return f"{self.bad} of {self.numel} slot ids outside [0, {self.high}): {at}"
         if self.kind in ("freed", "double_free"):
             return f"{at} is not allocated ({'double free' if self.freed else 'freed'}){more}"
+        if self.kind == "handed_out":
+            return f"{at} is handed out again while still allocated (a live slot went back on the free list){more}"
+        if self.kind == "unmapped":
+            return (f"{at} has no SWA slot mapped: its SWA peer was freed already (SWA double free; the free would "
+                    f"put padding slot 0 on the SWA free list){more}")
+        if self.kind == "peer_mapped":
+            return f"{at} is freed while its SWA slot {self.expected} is still mapped (that SWA slot would leak){more}"
         held = "" if self.owner is None else f"; slot {self.value} is held by request {self.owner}" + (
             f" token {self.owner_token}" if self.owner_token is not None else "")
         if self.kind == "other_request":
             return f"{at} is not this token's slot (req_to_token holds {self.expected}){held}{more}"
+        if self.kind == "swa_other":
+            own = f"maps to {self.expected}" if self.expected > 0 else "has none: it left the window or was freed"
+            return f"{at} is not this token's SWA slot (its full slot {own}){held}{more}"
         if self.kind == "duplicate":
             return f"{at} is written by two tokens of this forward step{held}{more}"
         if self.kind == "shared_row":
@@ -162,6 +176,8 @@ class Violation:
         """What warn mode did about it, in words."""
         if self.kind == "in_flight":
             return "free of pages a KV transfer still writes (held back from the free list until it ends)"
+        if self.kind == "handed_out":
+            return "reported only (the allocator's hand-out goes on)"
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
         return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"

@@ -129,7 +129,7 @@ def _repeats(flat: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(~seen)
 
 
-def _bad_free(flat: torch.Tensor, high: int, live: Live) -> torch.Tensor:
+def bad_free(flat: torch.Tensor, high: int, live: Live) -> torch.Tensor:
     """Per freed id: outside [0, high), on a page not live before the call, or, where
     each id owns its flag (page 1: token slots or page ids), named twice in the call.
     Several token ids of one page may share a paged free: it takes the page back once."""
@@ -140,11 +140,27 @@ def _bad_free(flat: torch.Tensor, high: int, live: Live) -> torch.Tensor:
 def scan_free(ids: torch.Tensor, high: int, live: Live) -> Optional[Finding]:
     """The check of a free: None when every id is in [0, high) on a live page."""
     flat = ids.reshape(-1)
-    return _finding(flat, _bad_free(flat, high, live))
+    return _finding(flat, bad_free(flat, high, live))
 
 
 def live_only(ids: torch.Tensor, high: int, live: Live) -> torch.Tensor:
     """A free's containment (warn mode): only the ids in [0, high) on a live page,
     each once, so the allocator's free list never takes a slot twice."""
     flat = ids.reshape(-1)
-    return flat[~_bad_free(flat, high, live)]
+    return flat[~bad_free(flat, high, live)]
+
+
+def scan_handed_out(ids: torch.Tensor, live: Live) -> Optional[Finding]:
+    """The check of a hand-out, before its pages are marked: an id that opens a page
+    (offset 0: a page the allocator just took off its free list; the other ids may
+    continue a request's last page) must find that page not live. None when so."""
+    if live.host is not None and ids.device.type == "cpu":  # the fast answer for a clean hand-out
+        host = ids.reshape(-1).numpy()
+        opens = host[(host >= live.page) & (host < live.high) & (host % live.page == 0)]
+        if not np.frombuffer(live.host, dtype=np.int32)[opens // live.page].any():
+            return None
+    flat = ids.reshape(-1).to(torch.int64)
+    inside = (flat >= live.page) & (flat < live.high)
+    opens = inside & (flat % live.page == 0)
+    flags = live.flags[flat.clamp(0, max(live.high - 1, 0)) // live.page]
+    return _finding(flat, opens & (flags != 0))

@@ -64,6 +64,9 @@ WORKLOADS = {
                                        disable_radix_cache=True)),
     # a pool too small for what the scheduler admits (aggressive admission): decode runs out, sglang retracts
     "retract": (RADIX_PROMPTS, dict(max_total_tokens=384, disable_radix_cache=True, schedule_conservativeness=0.01)),
+    # a sliding-window model (tests/e2e/tiny_model.py's Mellum): radix cache, 16-token prefill chunks and a pool
+    # small enough that SWA slots leave the window, prefixes are evicted and requests retracted
+    "swa": (RADIX_PROMPTS, dict(max_total_tokens=512, chunked_prefill_size=16)),
     "serve": ([], dict(disable_radix_cache=True, enable_tokenizer_batch_encode=True, sleep_on_idle=True)),
     # PD disaggregation's decode side with the fake transfer backend (no prefill engine): a pool of 128
     # slots, so that pages freed early are handed out again soon (`decode` below)
@@ -108,6 +111,8 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
                 options["speculative_draft_model_path"] = model
         elif arg == "abort" and workload == "decode":
             pass
+        elif arg.startswith("page="):  # the pools' and allocators' page size
+            options["page_size"] = int(arg[5:])
         elif arg.startswith("tp="):
             options["tp_size"] = int(arg[3:])
             # one NUMA node here, so each rank's OpenMP threads are bound by hand; and an
@@ -116,7 +121,7 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(map(str, range(options["tp_size"]))))
             os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
         else:
-            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram or tp=N "
+            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram, page=P or tp=N "
                              "(serve: batch=B, tokens=N, cuda)")
     return options
 

@@ -26,7 +26,7 @@ STANDIN = HERE.parent / "standins"
 RADIX_POOL = 384  # the radix workload's max_total_tokens (engine_run.py)
 PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "OOBGUARD_TRANSFER", "OOBGUARD_HICACHE_SHIM",
-           "OOBGUARD_HICACHE_FAULT", "TRITON_INTERPRET", "SGLANG_PLUGINS")
+           "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "TRITON_INTERPRET", "SGLANG_PLUGINS")
 
 
 @dataclass

@@ -30,6 +30,9 @@ accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
 (`value=freed` is the only value there): a move into a slot already given back. Its
 wrapper goes on at the first forward, outside the guard's.
 
+`site=swa` (sliding-window models) and `OOBGUARD_SWA_READS=1`, the test-only patch of
+torch_native's SWA reads: see `oobguard_faultinject.swa`.
+
 `OOBGUARD_COUNT=DIR`: at each counted call, each process writes DIR/<pid>.json with
 its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer`
 (writes), `MHATokenToKVPool.move_kv_cache` (moves) and
@@ -45,6 +48,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from . import swa
 
 _count = 0
 _moves = 0
@@ -102,6 +107,8 @@ def _forward(wrapped, instance, args, kwargs):
     batch = args[0] if args else kwargs["forward_batch"]
     loc = getattr(batch, "out_cache_loc", None)
     spec = _spec()
+    if spec.get("site") == "swa":
+        swa.fault(spec, instance, batch)
     if "step" in spec and spec.get("site", "write") == "write" and loc is not None and loc.numel() \
             and _selected(spec, instance, batch):
         token = int(spec["token"])
@@ -250,6 +257,8 @@ def load() -> None:
     if os.environ.get("OOBGUARD_TRANSFER"):
         wrapt.register_post_import_hook(_patch_fake, "sglang.srt.disaggregation.fake.conn")
         wrapt.register_post_import_hook(_patch_alloc, "sglang.srt.mem_cache.allocator.token")
+    if os.environ.get("OOBGUARD_SWA_READS"):
+        wrapt.register_post_import_hook(swa.patch_reads, "sglang.srt.layers.attention.torch_native_backend")
     if not (os.environ.get("OOBGUARD_FAULT") or os.environ.get("OOBGUARD_COUNT")):
         return
 

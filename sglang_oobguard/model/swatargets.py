@@ -1,0 +1,96 @@
+"""SWA targets: the sliding-window pools' two id spaces, and what the SWA allocators do to them.
+
+Part of the targets table (`targets` imports it): sglang serves sliding-window models
+(gpt-oss, Llama 4, Gemma, MiMo-V2, Mellum, Laguna, ...) from `SWAKVPool`, a full
+sub-pool and an SWA sub-pool, with `SWATokenToKVPoolAllocator` driving one tracked
+sub-allocator per id space and a full -> SWA mapping (`full_to_swa_index_mapping`).
+The sub-allocators keep the two shadows; the SWA allocator's own methods are checked
+in the full id space against that mapping (`checks.swa`), as upstream's invariants
+`swa.peer_mapped` and `swa.peer_released` state them (allocator/swa.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+# The pool method every SWA allocator calls as it is built (its mapping goes in):
+# where the guard names the sub-pools' id spaces and their model layers.
+SWA_POOL_HOOK = "register_mapping"
+SWA_POOL_BASE = "BaseSWAKVPool"
+FULL_SUBPOOL, SWA_SUBPOOL = "full_kv_pool", "swa_kv_pool"
+MAPPING = "full_to_swa_index_mapping"
+SWA_ALLOCATOR_MODULE = "sglang.srt.mem_cache.allocator.swa"  # loads after the plugin: tracked when it does
+
+# SWA pool writes whose SWA ids (KVWriteLoc.swa_loc) are checked at the door against the
+# step's full slots, and the site label of that check.
+SWA_DOORS = {("SWAKVPool", method): f"{method} (SWAKVPool) swa_loc" for method in ("set_kv_buffer", "set_mla_kv_buffer")}
+
+# The SWA allocator families: checked (the pair of id spaces and the mapping), or only
+# named (one id space, no mapping: its sub-allocator is the whole story).
+SWA_CHECKED = ("SWATokenToKVPoolAllocator",)
+SWA_NAMED_ONLY = ("PureSWATokenToKVPoolAllocator",)  # all layers sliding: the mapping is the identity
+
+
+# What liveness tracks, per allocator family: doctor's lines, the activation line's summary.
+FAMILIES = (
+    ("TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator", "one shadow per pool, per slot or per page"),
+    ("SWATokenToKVPoolAllocator", "both id spaces: its two sub-allocators' shadows, and its frees checked against "
+                                  "the full -> SWA mapping (host ids; on a GPU the sub-allocators' checks only)"),
+    ("PureSWATokenToKVPoolAllocator", "its one (SWA) id space, through its sub-allocator's shadow"),
+)
+FAMILIES_SHORT = "token, paged, SWA (both id spaces) and pure-SWA allocators"
+
+
+class SwaRole(str, enum.Enum):
+    """What an SWA allocator method does to the pair of id spaces."""
+
+    FREE_PAIRED = "takes full ids back with their SWA peers (full ids live; page 1: every peer mapped)"
+    FREE_SEGMENT = "takes a page-aligned segment back with its SWA peers (each page's peer mapped)"
+    FREE_FULL = "takes full ids back whose SWA peers went already (each peer released)"
+
+
+@dataclass(frozen=True)
+class SwaMethod:
+    role: SwaRole
+    full: bool = True  # the full ids go back too, so must be live (free_swa: only the SWA peers leave)
+    contained: bool = True  # warn mode may pass only the good ids on (set-shaped, not a segment)
+
+
+SWA_METHODS: dict[str, SwaMethod] = {
+    "free": SwaMethod(SwaRole.FREE_PAIRED),
+    "free_swa": SwaMethod(SwaRole.FREE_PAIRED, full=False),  # SWA slots leaving the window
+    "free_segment": SwaMethod(SwaRole.FREE_SEGMENT, contained=False),
+    "free_swa_segment": SwaMethod(SwaRole.FREE_SEGMENT, full=False, contained=False),
+    "free_full": SwaMethod(SwaRole.FREE_FULL),
+    "free_full_segment": SwaMethod(SwaRole.FREE_FULL, contained=False),
+}
+
+
+def space_name(pool_class: str, sub: Optional[str]) -> str:
+    """A pool's name in reports: the SWA pool, the sub-pool and its id space."""
+    if sub is None:
+        return f"{pool_class} (full ids)"
+    return f"{pool_class}.{sub} ({'SWA' if sub == SWA_SUBPOOL else 'full'} ids)"
+
+
+def dsv4_slots(pool: object) -> int:
+    # deepseek_v4_memory_pool: every layer's buffer holds
+    # _num_dsv4_physical_kv_pages(size, page_size, global_page_size) pages of token rows
+    page = int(getattr(pool, "page_size"))
+    rows = int(getattr(pool, "size")) + int(getattr(pool, "global_page_size", page) or page)
+    return -(-rows // page) * page
+
+
+# Write methods that take no ids of their own to bound, with why (doctor names them so).
+FORWARDED: dict[tuple[str, str], str] = {
+    ("SWAKVPool", "set_index_k_scale_buffer"):
+        "full ids passed on as they are to full_kv_pool.set_index_k_scale_buffer, guarded there",
+    **{("HiSparseC4DevicePool", method): f"translates its ids to the device pool's rows and passes them on to "
+                                         f"DeepSeekV4SingleKVPool.{method}, guarded there"
+       for method in ("set_key_buffer", "set_key_buffer_fused")},
+}
+# DeepSeek-V4's composite pool writes through sub-pools and fused kernels whose id spaces
+# (compressed ratios, per-request windows) have not been read yet: named, with why.
+DSV4_UNREAD = "DeepSeek-V4 composite pool: compressed / per-request-window id spaces not read yet (no bound rule)"

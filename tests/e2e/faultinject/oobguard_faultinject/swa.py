@@ -1,0 +1,82 @@
+"""Test-only: sglang's torch_native SWA reads translated, and the SWA allocator faults.
+
+`OOBGUARD_SWA_READS=1` replaces one thing upstream gets wrong on the CPU: sglang's
+torch_native backend (`layers/attention/torch_native_backend.py`,
+`TorchNativeAttnBackend._run_sdpa_forward_decode` and `_run_sdpa_forward_extend`) reads
+an SWA layer's K/V at `k_cache[req_to_token[...]]`, full-pool ids, from the SWA sub-pool's
+buffer: once the full allocator hands out ids above the SWA sub-pool's rows it fails
+(IndexError), and below that it silently reads other tokens' rows. sglang's intel_amx
+backend translates these reads (`_swa_kv_indices`); this patch does the same for
+torch_native's, through the pool's own `translate_loc_from_full_to_swa`, on SWA layers
+only (those called with a sliding window). It changes reads, never a write, so the
+guard sees exactly sglang's writes.
+
+`OOBGUARD_FAULT=site=swa,step=N,value=double|handout`, on the first decode forward from
+the Nth on where a token opens a page (so the page is its own request's alone):
+- `double`: that token's page goes back to the SWA free list twice, through sglang's own
+  `SWATokenToKVPoolAllocator.free_swa_segment` (an SWA page freed twice);
+- `handout`: that token's live SWA page is put at the head of the SWA sub-allocator's free
+  list behind every allocator method (as a tool the guard has never seen would), so the
+  next allocation hands it to another request while the token's request still holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_decodes = [0]
+_done: list[int] = []  # the decode the fault was applied on (once per process)
+
+
+def _translated(instance, args: tuple, kwargs: dict) -> tuple:
+    """`_run_sdpa_forward_*`'s arguments with req_to_token (the 5th) mapped into SWA ids."""
+    pool = instance.token_to_kv_pool
+    if kwargs.get("sliding_window_size") is None or not getattr(instance, "use_sliding_window_kv_pool", False):
+        return args
+    table = args[4]
+    return (*args[:4], pool.translate_loc_from_full_to_swa(table.clamp(min=0)), *args[5:])
+
+
+def _read(wrapped, instance, args, kwargs):
+    return wrapped(*_translated(instance, args, kwargs), **kwargs)
+
+
+def patch_reads(module) -> None:
+    import wrapt
+
+    for name in ("_run_sdpa_forward_decode", "_run_sdpa_forward_extend"):
+        wrapt.wrap_function_wrapper(module, f"TorchNativeAttnBackend.{name}", _read)
+
+
+def fault(spec: dict[str, str], runner, batch) -> None:
+    """Apply the SWA fault on the chosen decode forward, before it runs."""
+    if batch.forward_mode.name.lower() != "decode" or batch.out_cache_loc is None or not batch.out_cache_loc.numel():
+        return
+    step = _decodes[0]
+    _decodes[0] += 1
+    allocator = runner.token_to_kv_pool_allocator
+    page = int(allocator.page_size)
+    opens = (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a token on a page of its own request
+    if step < int(spec["step"]) or _done or not opens:
+        return
+    _done.append(step)
+    token = opens[0]
+    full = int(batch.out_cache_loc[token])
+    swa = int(allocator.translate_loc_from_full_to_swa(batch.out_cache_loc[token:token + 1])[0])
+    rid = batch.rids[token] if getattr(batch, "rids", None) else None
+    print(f"oobguard_faultinject: swa {spec['value']} at decode {step}: token {token} (rid {rid}) full slot {full}, "
+          f"SWA slot {swa} (pid {os.getpid()})", file=sys.stderr, flush=True)
+    if spec["value"] == "double":
+        base = full - full % page
+        segment = torch.arange(base, base + page, dtype=batch.out_cache_loc.dtype)
+        allocator.free_swa_segment(segment, start_pos=0)
+        allocator.free_swa_segment(segment, start_pos=0)
+    elif spec["value"] == "handout":
+        sub = allocator.swa_attn_allocator
+        back = torch.tensor([swa // page], dtype=sub.free_pages.dtype)
+        sub.free_pages = torch.cat([back, sub.free_pages])
+    else:
+        raise ValueError(f"OOBGUARD_FAULT: site=swa takes value=double or value=handout, not {spec['value']!r}")

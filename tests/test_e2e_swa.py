@@ -1,0 +1,86 @@
+"""End to end on a sliding-window model: the real sglang Engine on the CPU serving a tiny
+random Mellum (layers sliding / full / sliding / full, window 8) from SWAKVPool with
+SWATokenToKVPoolAllocator and the UnifiedRadixCache; 44 requests on 4 shared prefixes,
+16-token prefill chunks and a 512-slot pool, so SWA slots leave the window, prefixes
+are evicted and requests retracted. SWA faults are injected by the fault plugin
+(tests/e2e/faultinject, `site=swa`) through sglang's own allocator, or behind it.
+
+Every run reads SWA layers through the test-only patch of torch_native's SWA reads
+(OOBGUARD_SWA_READS, see oobguard_faultinject.swa): without it sglang's CPU path
+reads SWA rows at full-pool ids. One engine per scenario; page size 1 and 4 only
+where the allocators differ (the clean runs)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from e2e.harness import run_engine
+from helpers import needs
+
+pytestmark = pytest.mark.e2e
+
+READS = {"OOBGUARD_SWA_READS": "1"}
+STRICT = {**READS, "SGLANG_ENABLE_ASYNC_ASSERT": "1", "SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1"}
+FAULT = re.compile(r"oobguard_faultinject: swa (\w+) at decode (\d+): token \d+ \(rid (\w+)\) full slot (\d+), "
+                   r"SWA slot (\d+)")
+TIMEOUT = 240  # the harness kills the whole engine after this: a test never inherits a hang
+
+
+@pytest.fixture(scope="module")
+def mellum(tmp_path_factory):
+    needs("SWATokenToKVPoolAllocator")
+    from e2e.tiny_model import build_tiny_mellum
+
+    return build_tiny_mellum(tmp_path_factory.mktemp("tiny-mellum"))
+
+
+@pytest.fixture(scope="module")
+def swa_clean(mellum):
+    """Guard off: the reference tokens, per page size."""
+    outputs = {}
+    for page in (1, 4):
+        run = run_engine(mellum, READS, workload="swa", options=(f"page={page}",), timeout=TIMEOUT)
+        assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+        assert "SWAKVPool mem usage" in run.log and len(run.result["outputs"]) == 44
+        outputs[page] = run.result["outputs"]
+    return outputs
+
+
+def sglang_lines(run) -> list[str]:
+    return [line for line in run.log.splitlines() if "sglang_oobguard: " in line and "not tracked" not in line
+            and "not guarded" not in line]
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_clean_swa_serving_strict_with_liveness_reports_nothing_and_keeps_the_tokens(mellum, swa_clean, page):
+    run = run_engine(mellum, STRICT, workload="swa", options=(f"page={page}",), timeout=TIMEOUT)
+    assert run.returncode == 0 and run.result["outputs"] == swa_clean[page], run.log[-3000:]
+    assert "liveness=on (tracks token, paged, SWA (both id spaces)" in run.log
+    assert "retract" in run.log.lower()  # the small pool made sglang retract, and evict SWA from the tree
+    assert "KVOutOfBoundsError" not in run.log and "is not allocated" not in run.log and not run.leftovers
+
+
+def test_an_swa_page_freed_twice_is_reported_at_the_second_free(mellum):
+    run = run_engine(mellum, {**STRICT, "OOBGUARD_FAULT": "site=swa,step=5,value=double"}, workload="swa",
+                     options=("page=4",), timeout=TIMEOUT)
+    [(_, _, rid, full, swa)] = FAULT.findall(run.log)
+    assert (f"KVOutOfBoundsError: free_swa_segment (SWATokenToKVPoolAllocator): free_index[0] = {full} has no "
+            "SWA slot mapped: its SWA peer was freed already (SWA double free; the free would put padding slot 0 on "
+            "the SWA free list) (pool SWAKVPool.full_kv_pool (full ids))") in run.log, run.log[-3000:]
+    assert run.result is None and not run.leftovers  # strict stops the scheduler; the harness leaves nothing
+
+
+def test_a_live_swa_slot_handed_to_another_request_is_reported_and_warn_mode_keeps_the_others(mellum, swa_clean):
+    run = run_engine(mellum, {**STRICT, "SGLANG_OOBGUARD_MODE": "warn", "OOBGUARD_FAULT": "site=swa,step=5,value=handout"},
+                     workload="swa", options=("page=1",), timeout=TIMEOUT)
+    [(_, _, rid, full, swa)] = FAULT.findall(run.log)
+    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
+    first = sglang_lines(run)[0]
+    assert first.endswith(f"sglang_oobguard: reported only (the allocator's hand-out goes on): alloc "
+                          f"(TokenToKVPoolAllocator): handed_out[0] = {swa} is handed out again while still allocated "
+                          "(a live slot went back on the free list) (pool SWAKVPool.swa_kv_pool (SWA ids))"), first
+    changed = [i for i, (got, want) in enumerate(zip(run.result["outputs"], swa_clean[1])) if got != want]
+    assert len(changed) <= 2, changed  # the holder and the request handed its slot; the other 42 untouched
+    assert not run.leftovers

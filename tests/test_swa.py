@@ -1,0 +1,237 @@
+"""Sliding-window pools on the CPU: the real SWAKVPool and SWATokenToKVPoolAllocator (page 1
+and 4), PureSWATokenToKVPoolAllocator, and DeepSeek-V4's leaf pools. Both id spaces are
+bounded and tracked; every report names the SWA pool, the id space and the model's layer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import sglang_oobguard
+from helpers import Layer, needs, swa_allocator, swa_pool
+from sglang_oobguard import KVOutOfBoundsError
+
+FULL, SWA = r"\(pool SWAKVPool\.full_kv_pool \(full ids\)\)", r"\(pool SWAKVPool\.swa_kv_pool \(SWA ids\)\)"
+DOOR = SWA[:-2] + r" at SWAKVPool's door\)"
+PAGES = pytest.mark.parametrize("page_size", [1, 4])
+
+
+@pytest.fixture
+def swa(guard):
+    """The guard (liveness on), then a real SWAKVPool and its SWA allocator."""
+    needs("SWATokenToKVPoolAllocator", "KVWriteLoc")
+
+    def make(mode: str, page_size: int):
+        guard(mode, liveness=True)
+        pool = swa_pool(page_size)
+        return pool, swa_allocator(pool)
+
+    return make
+
+
+def alloc(allocator, n: int) -> torch.Tensor:
+    """n fresh full slots (their SWA peers mapped): alloc at page 1, alloc_extend of a new request else."""
+    if allocator.page_size == 1:
+        return allocator.alloc(n)
+    one = torch.tensor([0])
+    return allocator.alloc_extend(one, one, torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n)
+
+
+def write(pool, allocator, loc: torch.Tensor, layer: int, swa_loc=None) -> None:
+    """Layer `layer`'s K/V at full slots `loc`, as the attention backend passes them
+    (KVWriteLoc with the SWA translation sglang computes once per forward)."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    k = torch.ones(loc.numel(), 2, 4)
+    translated = allocator.translate_loc_from_full_to_swa(loc) if swa_loc is None else swa_loc
+    pool.set_kv_buffer(Layer(layer), KVWriteLoc(loc, swa_loc=translated), k, k)
+
+
+def raised(pattern: str, action) -> KVOutOfBoundsError:
+    with pytest.raises(KVOutOfBoundsError) as info:
+        action()
+    assert re.search(pattern, info.value.described()), info.value.described()
+    return info.value
+
+
+@PAGES
+def test_a_clean_life_of_both_id_spaces_is_silent(swa, page_size):
+    pool, allocator = swa("strict", page_size)
+    for _ in range(3):  # the SWA pool round several times: ids churn
+        loc = alloc(allocator, 8)
+        for layer in range(4):
+            write(pool, allocator, loc, layer)
+        allocator.free_swa(loc[:page_size])  # the first page left the window
+        write(pool, allocator, loc[page_size:], 0)
+        allocator.free_full(loc[:page_size])
+        allocator.free(loc[page_size:])
+    assert sglang_oobguard.violations() == []
+
+
+@PAGES
+def test_ids_past_either_sub_pool_name_the_pool_the_id_space_and_the_model_layer(swa, page_size):
+    pool, allocator = swa("raise", page_size)
+    loc = alloc(allocator, 4)
+    past = allocator.translate_loc_from_full_to_swa(loc)
+    past[0] = 40
+    raised(rf"layer 2: .*\[0, {32 + page_size}\): loc\[0\] = 40 {SWA}", lambda: write(pool, allocator, loc, 2, swa_loc=past))
+    raised(rf"layer 2: .*\[0, {64 + page_size}\): loc\[0\] = 90 \(pool SWAKVPool \(full ids\)\)",
+           lambda: write(pool, allocator, torch.tensor([90]), 2, swa_loc=torch.tensor([1])))
+    raised(rf"layer 3: .*\[0, {64 + page_size}\): loc\[1\] = 80 ",
+           lambda: write(pool, allocator, torch.tensor([1, 80]), 3, swa_loc=torch.tensor([1, 1])))
+
+
+@PAGES
+def test_a_write_to_an_swa_slot_that_left_the_window_is_caught(swa, page_size):
+    pool, allocator = swa("raise", page_size)
+    loc = alloc(allocator, 2 * page_size)
+    swa_loc = allocator.translate_loc_from_full_to_swa(loc)
+    allocator.free_swa(loc[:page_size])
+    write(pool, allocator, loc, 1)  # a full layer: its slots are still held
+    stale = rf"loc\[0\] = {int(swa_loc[0])} is not this token's SWA slot \(its full slot has none: it left the window"
+    raised(rf"^set_kv_buffer \(SWAKVPool\) swa_loc layer 2: {stale}.*{DOOR}$",  # a stale translation, at the door
+           lambda: write(pool, allocator, loc, 2, swa_loc=swa_loc))
+    raised(rf"^set_kv_buffer \(MHA\) layer 2: loc\[0\] = {int(swa_loc[0])} is not allocated \(freed\) .*{SWA}$",
+           lambda: pool.swa_kv_pool.set_kv_buffer(None, swa_loc, torch.ones(2 * page_size, 2, 4),  # behind the door
+                                                  torch.ones(2 * page_size, 2, 4), layer_id_override=1))
+
+
+@PAGES
+def test_a_double_free_names_the_full_ids_and_nothing_reaches_a_free_list(swa, page_size):
+    pool, allocator = swa("raise", page_size)
+    loc = alloc(allocator, page_size)
+    allocator.free(loc)
+    sizes = (allocator.full_available_size(), allocator.swa_available_size())
+    raised(rf"^free \(SWATokenToKVPoolAllocator\): free_index\[0\] = {int(loc[0])} is not allocated \(double free\)"
+           rf".* {FULL}$", lambda: allocator.free(loc))
+    assert (allocator.full_available_size(), allocator.swa_available_size()) == sizes
+
+
+def test_a_double_free_within_one_call_names_the_id_freed_twice(swa):
+    pool, allocator = swa("raise", 1)
+    loc = alloc(allocator, 3)
+    twice = torch.tensor([int(loc[1]), int(loc[2]), int(loc[1])])
+    raised(rf"free_index\[2\] = {int(loc[1])} is not allocated \(double free\) {FULL}",
+           lambda: allocator.free(twice))
+
+
+def test_an_swa_slot_freed_twice_is_caught_before_slot_zero_reaches_the_swa_free_list(swa):
+    pool, allocator = swa("raise", 1)
+    loc = alloc(allocator, 3)
+    allocator.free_swa(loc[:2])
+    raised(rf"^free_swa \(SWATokenToKVPoolAllocator\): free_index\[0\] = {int(loc[0])} has no SWA slot mapped: "
+           rf"its SWA peer was freed already \(SWA double free.* {FULL}$", lambda: allocator.free_swa(loc))
+    assert 0 not in allocator.swa_attn_allocator.free_pages.tolist()
+
+
+def test_an_swa_segment_freed_twice_names_its_page(swa):
+    pool, allocator = swa("raise", 4)
+    loc = alloc(allocator, 8)
+    allocator.free_swa_segment(loc[:4], start_pos=0)
+    raised(rf"free_swa_segment .*free_index\[0\] = {int(loc[0])} has no SWA slot mapped",
+           lambda: allocator.free_swa_segment(loc[:4], start_pos=0))
+
+
+@PAGES
+def test_free_full_of_a_slot_whose_swa_slot_is_still_mapped_names_the_leaking_swa_slot(swa, page_size):
+    pool, allocator = swa("raise", page_size)
+    loc = alloc(allocator, page_size)
+    peer = int(allocator.translate_loc_from_full_to_swa(loc)[0])
+    raised(rf"^free_full \(SWATokenToKVPoolAllocator\): free_index\[0\] = {int(loc[0])} is freed while its SWA slot "
+           rf"{peer} is still mapped \(that SWA slot would leak\).* {FULL}$", lambda: allocator.free_full(loc))
+
+
+@PAGES
+def test_a_live_swa_page_put_back_on_the_free_list_is_caught_when_handed_out_again(swa, page_size):
+    """The fault: a live SWA page goes back on the SWA free list behind the guard's back
+    (as sglang's double-free bugs do); the next request gets it while the first holds it."""
+    pool, allocator = swa("raise", page_size)
+    first = alloc(allocator, page_size)
+    held = allocator.translate_loc_from_full_to_swa(first)
+    sub = allocator.swa_attn_allocator
+    page = held[:1] if page_size == 1 else held[:1] // page_size
+    sub.free_pages = torch.cat([page.to(sub.free_pages.dtype), sub.free_pages])  # behind the guard's back
+    method = "alloc" if page_size == 1 else "alloc_extend"
+    raised(rf"^{method} \((Paged)?TokenToKVPoolAllocator\): handed_out\[0\] = {int(held[0])} is handed out again "
+           rf"while still allocated .*{SWA}$", lambda: alloc(allocator, page_size))
+
+
+def test_warn_mode_contains_a_double_free_so_no_free_list_takes_a_slot_twice(swa):
+    pool, allocator = swa("warn", 1)
+    loc = alloc(allocator, 4)
+    allocator.free(loc[:2])
+    allocator.free(loc)  # reported; only loc[2:] go back
+    [violation] = sglang_oobguard.violations()
+    assert (violation.kind, violation.value, violation.pool) == ("double_free", int(loc[0]),
+                                                                "SWAKVPool.full_kv_pool (full ids)")
+    for sub in (allocator.full_attn_allocator, allocator.swa_attn_allocator):
+        free = sub.free_pages.tolist()
+        assert len(free) == len(set(free)) and 0 not in free
+    assert allocator.full_available_size() == 64 and allocator.swa_available_size() == 32
+
+
+def test_pure_swa_allocator_tracks_its_one_id_space(guard):
+    needs("PureSWATokenToKVPoolAllocator", "KVWriteLoc")
+    from sglang.srt.mem_cache.allocator.swa import PureSWATokenToKVPoolAllocator
+
+    guard("raise", liveness=True)
+    pool = swa_pool(1, size=32, full_layers=())
+    allocator = PureSWATokenToKVPoolAllocator(32, 1, torch.float32, "cpu", pool, False)
+    loc = allocator.alloc(3)
+    write(pool, allocator, loc, 1)
+    allocator.free(loc[:1])
+    raised(rf"layer 1: loc\[0\] = {int(loc[0])} is not allocated \(freed\) {SWA}",
+           lambda: write(pool, allocator, loc, 1))
+    raised(r"free \(TokenToKVPoolAllocator\): free_index\[0\] = .* \(double free\)", lambda: allocator.free(loc))
+
+
+@pytest.mark.parametrize("method", ["set_key_buffer_fused", "set_index_fused", "set_index_k_scale_buffer"])
+def test_deepseek_v4_leaf_pools_bound_their_token_ids_before_sglang_writes(guard, method):
+    """Their rows: ceil((size + global_page_size) / page_size) pages of page_size tokens
+    (deepseek_v4_memory_pool._num_dsv4_physical_kv_pages); sglang's own write kernels are
+    CUDA ones, so the id past the rows must be refused before sglang is reached."""
+    needs("DeepSeekV4SingleKVPool")
+    from sglang.srt.mem_cache import deepseek_v4_memory_pool as dsv4
+
+    guard("raise")
+    if method == "set_key_buffer_fused":
+        pool, payload = dsv4.DeepSeekV4SingleKVPool(64, 64, torch.float8_e4m3fn, 448, 64, 1, "cpu", False), ()
+    else:
+        pool = dsv4.DeepSeekV4IndexerPool(64, 64, torch.float8_e4m3fn, 128, 1, "cpu", False, use_fp4_indexer=False)
+        payload = () if method == "set_index_fused" else (torch.zeros(1),)
+    rows = 128  # ceil((64 + 64) / 64) pages of 64
+    with pytest.raises(KVOutOfBoundsError, match=rf"{method} \({type(pool).__name__}\) layer 0: 1 of 1 slot ids "
+                                                 rf"outside \[0, {rows}\): loc\[0\] = {rows}"):
+        getattr(pool, method)(0, torch.tensor([rows]), torch.zeros(1, 512), *payload)
+
+
+@PAGES
+def test_an_swa_layer_writing_another_tokens_swa_slot_is_caught_at_the_door(swa, page_size):
+    """The step's SWA ids must be the translation of its own full slots: a stale or
+    crossed translation writes another request's SWA rows, which the SWA shadow calls live."""
+    pool, allocator = swa("raise", page_size)
+    mine, other = alloc(allocator, page_size), alloc(allocator, page_size)
+    theirs = allocator.translate_loc_from_full_to_swa(other)
+    own = allocator.translate_loc_from_full_to_swa(mine)
+    write(pool, allocator, mine, 1, swa_loc=theirs)  # a full layer: its SWA ids are not read
+    raised(rf"^set_kv_buffer \(SWAKVPool\) swa_loc layer 2: loc\[0\] = {int(theirs[0])} is not this token's SWA slot "
+           rf"\(its full slot maps to {int(own[0])}\).* {DOOR}$", lambda: write(pool, allocator, mine, 2, swa_loc=theirs))
+
+
+def test_two_tokens_of_one_write_on_one_swa_slot_are_caught_and_warn_contains_them(swa):
+    pool, allocator = swa("warn", 1)
+    loc = alloc(allocator, 3)
+    swa_loc = allocator.translate_loc_from_full_to_swa(loc)
+    twin = swa_loc.clone()
+    twin[2] = twin[0]
+    allocator.full_to_swa_index_mapping[loc[2]] = twin[0]  # the mapping itself crossed: the translation agrees
+    before = pool.swa_kv_pool.k_buffer[1][int(swa_loc[0])].clone()
+    write(pool, allocator, loc, 2, swa_loc=twin)
+    [violation] = sglang_oobguard.violations()
+    assert (violation.label, violation.kind, violation.pos, violation.value, violation.layer) == (
+        "set_kv_buffer (SWAKVPool) swa_loc", "duplicate", 2, int(swa_loc[0]), 2)
+    assert violation.pool == "SWAKVPool.swa_kv_pool (SWA ids) at SWAKVPool's door"
+    assert torch.equal(pool.swa_kv_pool.k_buffer[1][int(swa_loc[0])], torch.ones(2, 4))  # token 0's own write
+    assert not torch.equal(before, torch.ones(2, 4))
