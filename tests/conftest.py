@@ -93,8 +93,9 @@ def guard(monkeypatch):
     """install(mode, backend=..., liveness=...) for one test; the autouse fixture uninstalls."""
     import sglang_oobguard
 
-    def _install(mode: str, backend: str = "auto", poll_every: int = 1, liveness: bool = False):
+    def _install(mode: str, backend: str = "auto", poll_every: int = 1, liveness: bool = False, finite: bool = False):
         monkeypatch.setenv("SGLANG_OOBGUARD_BACKEND", backend)
+        monkeypatch.setenv("SGLANG_OOBGUARD_FINITE", "1" if finite else "0")
         monkeypatch.setenv("SGLANG_OOBGUARD_POLL_EVERY", str(poll_every))
         monkeypatch.setenv("SGLANG_OOBGUARD_LIVENESS", "1" if liveness else "0")
         sglang_oobguard.uninstall()

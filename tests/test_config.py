@@ -83,17 +83,28 @@ def test_liveness_works_in_every_mode(mode):
     assert not from_env({"SGLANG_OOBGUARD_MODE": mode}).liveness
 
 
-def test_liveness_without_the_guard_is_an_error_naming_the_fix():
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+def test_finite_works_in_every_mode_and_is_opt_in(mode):
+    assert from_env({"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_FINITE": "yes"}).finite
+    assert not from_env({"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_FINITE": "0"}).finite
+    assert not from_env({"SGLANG_OOBGUARD_MODE": mode}).finite
+    with pytest.raises(ConfigError, match="SGLANG_OOBGUARD_FINITE='nan'"):
+        from_env({"SGLANG_OOBGUARD_MODE": mode, "SGLANG_OOBGUARD_FINITE": "nan"})
+
+
+@pytest.mark.parametrize("variable", ["SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_FINITE"])
+def test_a_deeper_check_without_the_guard_is_an_error_naming_the_fix(variable):
     with pytest.raises(ConfigError) as info:
-        from_env({"SGLANG_OOBGUARD_LIVENESS": "1"})
+        from_env({variable: "1"})
     message = str(info.value)
-    assert "SGLANG_OOBGUARD_LIVENESS" in message and "SGLANG_ENABLE_ASYNC_ASSERT=1" in message
+    assert variable in message and "SGLANG_ENABLE_ASYNC_ASSERT=1" in message
     assert "NOT active" in message
 
 
-def test_explicit_off_wins_over_liveness():
-    cfg = from_env({"SGLANG_OOBGUARD_MODE": "off", "SGLANG_OOBGUARD_LIVENESS": "1"})
-    assert not cfg.active and not cfg.liveness
+@pytest.mark.parametrize("variable", ["SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_FINITE"])
+def test_explicit_off_wins_over_a_deeper_check(variable):
+    cfg = from_env({"SGLANG_OOBGUARD_MODE": "off", variable: "1"})
+    assert not cfg.active and not cfg.liveness and not cfg.finite
 
 
 def test_install_argument_wins_and_defaults_to_strict():

@@ -54,7 +54,8 @@ def test_the_entry_points_triggers_are_configs_activating_variables():
     from sglang_oobguard.model import config
     from sglang_oobguard import plugin
 
-    assert plugin.TRIGGERS == (config.ENABLE_VAR, config.INVARIANT_VAR, config.MODE_VAR, config.LIVENESS_VAR)
+    assert plugin.TRIGGERS == (config.ENABLE_VAR, config.INVARIANT_VAR, config.MODE_VAR, config.LIVENESS_VAR,
+                               config.FINITE_VAR)
 
 
 @pytest.mark.parametrize(

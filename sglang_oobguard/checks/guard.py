@@ -78,7 +78,7 @@ class Guard:
                 site: found.rule.lens is not None for found in self.found if isinstance(pool, found.owner)
                 for site in found.sites}
             warm_up(state, {**sites, self.step_site: False}, self.steps.counter(where),
-                    self.config.mode is Mode.STRICT, self.config.liveness, self.message)
+                    self.config.mode is Mode.STRICT, self.config.liveness, self.message, self.config.finite)
         return state
 
     def mark(self, obj: Any, attr: str, value: Any) -> None:

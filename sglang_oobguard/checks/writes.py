@@ -23,7 +23,7 @@ from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
-from . import swa
+from . import swa, values
 from .calls import argument, memo_key, replaced
 from .guard import Guard
 
@@ -125,6 +125,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     # one id tensor of token slots, all written, nothing else checked at this door: the fast path may answer
     lean = len(specs) == 1 and lens_at is None and specs[0][5] and door is None
     head_high = specs[0][3]
+    value_at = values.value_params(found.original, max(spec[1] for spec in specs) + 1)
     calls = guard.calls
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -132,8 +133,9 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
-        try:
-            fast = _on_host_fast(guard, instance, head, head_high) if lean and type(head) is torch.Tensor else None
+        try:  # the fast path checks ids only: with the value check on, every write takes the full one
+            fast = _on_host_fast(guard, instance, head, head_high) \
+                if lean and not guard.config.finite and type(head) is torch.Tensor else None
         except Exception:  # the full check below says what went wrong
             fast = None
         if fast is not None:
@@ -145,6 +147,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                 return wrapped(*args, **kwargs)
             finally:
                 calls.current = outer
+        pending = None
         try:
             lens = None if lens_at is None else argument(args, kwargs, lens_at, "commit_lens")
             for param, position, name, high, site, slots in specs:
@@ -160,19 +163,27 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     args, kwargs = replaced(args, kwargs, position, name, given, passed)
                     if position == head_at:
                         head = passed
+                if position == head_at and guard.config.finite and value_at:
+                    stored = values.parts(value_at, args, kwargs)
+                    pending = values.check_values(guard, instance, site, loc, high(instance),
+                                                  lambda: _layer_id(instance, args, kwargs, found), stored)
             if door_site is not None:
                 args, kwargs = swa.check_door(guard, instance, door_site, args, kwargs, head_at, head_name,
                                               _layer_id(instance, args, kwargs, found))
                 head = argument(args, kwargs, head_at, head_name)
+            values.before_write(guard, pending)
         except KVOutOfBoundsError:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked
             guard.internal_error(found.qualname, exc)
         calls.current = (instance, method, head)
         try:
-            return wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs)
         finally:
             calls.current = outer
+        if pending:  # raise and warn: the values went in unchanged, now the report
+            values.publish(guard, pending)
+        return result
 
     return wrapper
 

@@ -56,6 +56,7 @@ BACKEND_VAR = "SGLANG_OOBGUARD_BACKEND"
 POLL_VAR = "SGLANG_OOBGUARD_POLL_EVERY"
 WARN_INTERVAL_VAR = "SGLANG_OOBGUARD_WARN_INTERVAL_S"
 LIVENESS_VAR = "SGLANG_OOBGUARD_LIVENESS"
+FINITE_VAR = "SGLANG_OOBGUARD_FINITE"
 REPORT_DIR_VAR = "SGLANG_OOBGUARD_REPORT_DIR"
 OWN_TIME_VAR = "SGLANG_OOBGUARD_OWN_TIME"
 
@@ -75,6 +76,7 @@ class Config:
     report_dir: Optional[str] = None  # each process appends its JSON-lines report to a file here (`reportfile`)
     own_time: Optional[str] = None  # a benchmark's folder: each process keeps its own time there (`owntime`)
     upstream_probe: bool = False  # SGLANG_ENABLE_ASYNC_ASSERT is on: sglang's own probe runs in its methods
+    finite: bool = False  # also check that the values a write stores are finite (README, "What it catches")
 
     @property
     def active(self) -> bool:
@@ -146,6 +148,7 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
 
     enabled = _bool(env, ENABLE_VAR)
     liveness = _bool(env, LIVENESS_VAR)
+    finite = _bool(env, FINITE_VAR)
 
     raw_level = _get(env, INVARIANT_VAR)
     if raw_level is not None and raw_level not in _INVARIANT_MODES:
@@ -167,9 +170,11 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
         mode = Mode.STRICT
     else:
         mode = default
-    if liveness and mode is Mode.OFF and explicit is not Mode.OFF:
-        # asked for the deeper check with the guard itself off: never run unguarded quietly
-        raise ConfigError(LIVENESS_VAR, _get(env, LIVENESS_VAR) or "", "0, or set it with the guard on "
-                          f"({ENABLE_VAR}=1 or {MODE_VAR}=strict|raise|warn)")
-    return Config(mode, backend, poll_every, warn_interval, liveness and mode is not Mode.OFF, report_dir,
-                  own_time, enabled)
+    for deeper, asked in ((LIVENESS_VAR, liveness), (FINITE_VAR, finite)):
+        if asked and mode is Mode.OFF and explicit is not Mode.OFF:
+            # asked for a deeper check with the guard itself off: never run unguarded quietly
+            raise ConfigError(deeper, _get(env, deeper) or "", "0, or set it with the guard on "
+                              f"({ENABLE_VAR}=1 or {MODE_VAR}=strict|raise|warn)")
+    on = mode is not Mode.OFF
+    return Config(mode, backend, poll_every, warn_interval, liveness and on, report_dir, own_time, enabled,
+                  finite and on)

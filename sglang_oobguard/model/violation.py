@@ -31,6 +31,10 @@ class Kind(enum.IntEnum):
     PEER_MAPPED = 9  # SWA: a full id freed alone while its SWA peer is still mapped (the peer would leak)
     SWA_OTHER = 10  # SWA: a token's SWA id is not the translation of its own full slot (full_to_swa_index_mapping)
     IN_FLIGHT = 11  # a page freed while a KV transfer into it is in flight (PD decode side, `transfer`)
+    NONFINITE = 12  # a value written is NaN or +-Inf (SGLANG_OOBGUARD_FINITE)
+
+
+ELEMENTS = ("nan", "+inf", "-inf")  # a non-finite value, as a record numbers it
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -53,6 +57,20 @@ def free_site_id(label: str, param: str) -> int:
     site = site_id(label)
     _FREE_PARAMS[site] = param
     return site
+
+
+_PART_NAMES: list[str] = []  # value parts (cache_k, cache_v, cache_k_rope, k_scale, ...), numbered like sites
+
+
+def part_id(name: str) -> int:
+    """The number a record stores for the argument that held a non-finite value."""
+    if name not in _PART_NAMES:
+        _PART_NAMES.append(name)
+    return _PART_NAMES.index(name)
+
+
+def part_name(part: int) -> str:
+    return _PART_NAMES[part] if 0 <= part < len(_PART_NAMES) else f"part {part}"
 
 
 def free_param(site: int) -> Optional[str]:
@@ -99,14 +117,23 @@ class Violation:
     # A KV transfer into the pages (PD disaggregation): its bootstrap room and the step it was sent at.
     room: Optional[int] = None
     sent_step: int = -1
+    # A non-finite value (kind "nonfinite"): the argument, head and value; whether its slot is padding slot 0.
+    part: Optional[str] = None  # the write's argument that held it: cache_k, cache_v, cache_k_rope, k_scale, ...
+    head: Optional[int] = None
+    element: Optional[str] = None  # "nan", "+inf" or "-inf"
+    padding: Optional[bool] = None  # the slot is padding slot 0 (how sglang #36207 starts)
 
     @classmethod
     def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
         """A pool's record (record.Record), as the report names it; `where`: the step
         and request fields."""
+        values = {}
+        if record.kind == Kind.NONFINITE:
+            values = {"part": part_name(record.part), "head": None if record.head < 0 else record.head,
+                      "element": ELEMENTS[record.elem], "padding": None if record.value < 0 else record.value == 0}
         return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
                    record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
-                   Kind(record.kind).name.lower(), **{"expected": record.expected, **where})
+                   Kind(record.kind).name.lower(), **{"expected": record.expected, **values, **where})
 
     def as_dict(self) -> dict[str, Any]:
         """The report file's JSON object."""
@@ -128,6 +155,8 @@ class Violation:
         name = self.freed or "loc"
         at = f"{name}[{self.pos}] = {self.value}"
         more = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
+        if self.kind == "nonfinite":
+            return self._nonfinite()
         if self.kind == "bounds" or not 0 <= self.value < self.high:
             return f"{self.bad} of {self.numel} slot ids outside [0, {self.high}): {at}"
         if self.kind in ("freed", "double_free"):
@@ -151,6 +180,16 @@ class Violation:
         if self.kind == "shared_row":
             return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
         return f"{at} is owned by another running request{held}{more}"
+
+    def _nonfinite(self) -> str:
+        """A non-finite value: the argument, the token and its slot, the head."""
+        where = f"{self.part}"
+        if self.pos >= 0:
+            slot = "padding slot 0" if self.padding else f"slot {self.value}"
+            where += f" of loc[{self.pos}] ({slot})"
+        if self.head is not None:
+            where += f" head {self.head}"
+        return f"{where} is {self.element}, not finite ({self.bad} non-finite values written)"
 
     def context(self) -> str:
         """Where in serving it happened, when known: step, mode, batch, the writing request, ranks."""
@@ -180,7 +219,15 @@ class Violation:
             return "reported only (the allocator's hand-out goes on)"
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
+        if self.kind == "nonfinite":
+            return "non-finite KV values, written unchanged (the guard reports, it does not repair data)"
         return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
+
+
+# The device-side assert text of the value check (strict mode on a GPU): one for every site,
+# so a pool's warm-up compiles one variant per value dtype, not per site.
+FINITE_ASSERT = ("sglang_oobguard: a KV write stores NaN or Inf (SGLANG_OOBGUARD_FINITE); "
+                 "rerun with SGLANG_OOBGUARD_MODE=raise for the site, layer, slot and request")
 
 
 def assert_text(site: int, bound: str, liveness: bool) -> str:

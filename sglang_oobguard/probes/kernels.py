@@ -56,7 +56,8 @@ def _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr,
     """Assert (strict on a GPU), then fold one call into the record with atomics, so
     probes on several streams neither lose counts nor mix two first violations: the
     call that takes `calls` from 0 writes the details, with the step number it reads
-    from the device counter (so a captured probe names the step of its replay)."""
+    from the device counter (so a captured probe names the step of its replay).
+    Returns whether this call wrote the details (a caller adds fields of its own)."""
     if ASSERT:
         tl.device_assert(total == 0, MESSAGE)
     hit = total > 0
@@ -77,6 +78,7 @@ def _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr,
     tl.store(record_ptr + _ROW, none, mask=first)
     tl.store(record_ptr + _EXPECTED, none, mask=first)
     tl.store(record_ptr + _OWNER, none, mask=first)
+    return first
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import device, kernels
+from . import device, kernels, valuekernel
 from .record import PoolRecord
 from .shadow import Live
 
@@ -84,11 +84,13 @@ def region(slot: int, param: int) -> int:
 
 
 def warm_up(state: PoolState, sites: dict[int, bool], counter: torch.Tensor, strict: bool, liveness: bool,
-            message: Any) -> None:
+            message: Any, finite: bool = False) -> None:
     """Compile, by empty launches, every kernel variant this pool's writes can ask
     for, so that serving and graph capture never compile. `sites`: {site: whether it
     takes row lengths}. Strict mode compiles one variant per site (its assert text);
-    the others share theirs."""
+    the others share theirs. `finite`: the value kernel's variants too."""
+    if finite:
+        valuekernel.warm_up(state.record.tensor, state.scratch, counter, strict)
     if not strict:
         sites = {-1: any(sites.values())}
     lives = (None, Live(state.scratch[:1].view(torch.int32), 1)) if liveness else (None,)

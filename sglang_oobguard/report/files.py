@@ -92,7 +92,8 @@ def activation_record(config: Any, sglang_version: str, guarded: list[str], not_
     guards, and which sglang process (and ranks) it runs in, where that is known."""
     role, ranks = process_role()
     return {"oobguard": _our_version(), "sglang": sglang_version, "mode": config.mode.value,
-            "backend": config.backend.value, "liveness": config.liveness, "guarded": len(guarded),
+            "backend": config.backend.value, "liveness": config.liveness, "finite": config.finite,
+            "guarded": len(guarded),
             "methods": guarded, "not_guarded": not_guarded, "role": role, "ranks": ranks,
             "argv": " ".join(sys.argv)[:300]}
 

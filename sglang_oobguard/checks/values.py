@@ -1,0 +1,83 @@
+"""Values: the finite-value check of a guarded write (SGLANG_OOBGUARD_FINITE).
+
+Every floating argument a write stores (K and V, MLA's latent and rope parts, an
+FP8 or FP4 pool's scales, a fused writer's sources) is checked for NaN and +-Inf:
+on the host for CPU tensors (`values.scan_values`), by one more fused launch per
+part otherwise (`valuekernel`), into the same record as the ids. The guard is an
+observer here: the values are written unchanged in every mode. Strict stops before
+the write (on a GPU the assert stops the stream before it); raise and warn report
+after it, raise by raising.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from ..model.config import Backend, Mode
+from ..model.log import logger
+from ..probes import device, valuekernel
+from ..probes.record import Record
+from ..probes.values import is_value, scan_values
+from .guard import Guard
+
+# A pending host report: the pool's state and the call's record.
+Pending = list[tuple[Any, Record]]
+
+
+def value_params(function: Callable[..., Any], after: int, skip: Iterable[str] = ()) -> tuple[tuple[int, str], ...]:
+    """The parameters of a write method (positions after self) from `after` on that may
+    hold the values it stores; which of them do is seen per call (`is_value`)."""
+    names = [name for name in inspect.signature(function).parameters if name != "self"]
+    return tuple((at, name) for at, name in enumerate(names) if at >= after and name not in skip)
+
+
+def parts(params: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """The values this call hands over: (argument name, tensor or float)."""
+    found = []
+    for at, name in params:
+        value = args[at] if len(args) > at else kwargs.get(name)
+        if is_value(value):
+            found.append((name, value))
+    return found
+
+
+def check_values(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, layer: Callable[[], int],
+                 given: list[tuple[str, Any]]) -> Pending:
+    """Check one write's values; returns the host findings to publish (`publish`). A
+    kernel finding folds into the pool's record, read at the next check point."""
+    state = guard.state(pool, loc.device)
+    if device.is_gpu(loc):
+        capturing = device.capturing()
+        host = guard.config.backend is Backend.TORCH and not capturing
+    else:
+        host = guard.config.backend is not Backend.TRITON
+    pending: Pending = []
+    strict = guard.config.mode is Mode.STRICT and device.is_gpu(loc)
+    for name, values in given:
+        if host or not isinstance(values, torch.Tensor):
+            finding = scan_values(values, loc.numel())
+            if finding is not None:
+                pending.append((state, finding.record(site, layer(), high, loc, name, guard.steps.number)))
+        elif valuekernel.launch_values(values, loc, high, site, layer(), name, state.record.tensor, state.scratch,
+                                       guard.steps.counter(state.device), strict):
+            guard.launched(state)
+        elif guard.first_time(f"values unseen {name} {values.dtype}"):
+            logger.warning("sglang_oobguard: %s: %s (%s, strides %s) not checked for NaN/Inf: the value kernel "
+                           "reads %s rows of contiguous values only", state.pool_name, name, values.dtype,
+                           tuple(values.stride()), ", ".join(str(d).split(".")[-1] for d in valuekernel.DTYPES))
+    return pending
+
+
+def publish(guard: Guard, pending: Pending) -> None:
+    """Report host findings (raises unless warn)."""
+    for state, record in pending:
+        guard.report_now(state, record)
+
+
+def before_write(guard: Guard, pending: Optional[Pending]) -> None:
+    """Strict stops before the write; the other modes let the values through."""
+    if pending and guard.config.mode is Mode.STRICT:
+        publish(guard, pending)

@@ -1,0 +1,63 @@
+"""Values: the host check that a KV write stores finite values (SGLANG_OOBGUARD_FINITE).
+
+The clean path is one pass: a float32 sum of the values, which NaN and Inf survive
+(a finite sum that overflows only sends the call to the full scan, which then finds
+nothing). Only a sum that is not finite pays for locating the first non-finite value:
+its token row, head and whether it is NaN, +Inf or -Inf.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from ..model.violation import Kind, part_id
+from .record import Record
+
+
+class ValueFinding(NamedTuple):
+    """The non-finite values of one part of one write, and the first one's place."""
+
+    bad: int  # non-finite values
+    row: int  # the first one's token: its row in the write (-1: the part is not one row per token)
+    head: int  # its head, dim 1 of a per-token part with 3 or more dims (-1: none)
+    elem: int  # violation.ELEMENTS: 0 NaN, 1 +Inf, 2 -Inf
+
+    def record(self, site: int, layer: int, high: int, loc: torch.Tensor, part: str, step: int) -> Record:
+        """This call as a record of its own; its value is the token's slot (-1: no token)."""
+        slot = int(loc.reshape(-1)[self.row]) if self.row >= 0 else -1
+        return Record(self.bad, 1, site, layer, high, self.bad, loc.numel(), self.row, slot, step, Kind.NONFINITE,
+                      head=self.head, elem=self.elem, part=part_id(part))
+
+
+def _element(x: float) -> int:
+    return 0 if x != x else (1 if x > 0 else 2)
+
+
+def is_value(value: object) -> bool:
+    """A write argument the value check reads: a floating tensor, or a Python float (a scale)."""
+    if isinstance(value, torch.Tensor):
+        return value.is_floating_point()
+    return isinstance(value, float)
+
+
+def scan_values(values: Union[torch.Tensor, float], rows: int) -> Optional[ValueFinding]:
+    """None when every value is finite. `rows`: the write's ids; a tensor part with as
+    many rows holds one row per token (K, V, MLA's parts), any other (a scale) none."""
+    if not isinstance(values, torch.Tensor):
+        return None if math.isfinite(values) else ValueFinding(1, -1, -1, _element(values))
+    if not values.numel() or math.isfinite(torch.sum(values, dtype=torch.float32).item()):
+        return None
+    wide = values if values.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else values.float()
+    bad = ~torch.isfinite(wide.reshape(-1))  # FP8: isfinite has no kernel for it, its float copy does
+    count = int(bad.sum())
+    if not count:  # a finite sum's overflow
+        return None
+    first = int(bad.to(torch.uint8).argmax())
+    per_token = values.dim() >= 1 and values.shape[0] == rows
+    per_row = max(values[0].numel(), 1) if per_token else 0
+    row = first // per_row if per_token else -1
+    head = (first % per_row) // (per_row // values.shape[1]) if per_token and values.dim() >= 3 else -1
+    return ValueFinding(count, row, head, _element(float(wide.reshape(-1)[first])))
