@@ -6,6 +6,8 @@ import os
 import re
 import subprocess
 import venv
+
+import pytest
 from importlib.metadata import version
 
 from helpers import ROOT, has, run_python
@@ -125,10 +127,26 @@ def test_doctor_exits_non_zero_on_an_invalid_configuration():
     assert "invalid SGLANG_ENABLE_ASYNC_ASSERT='maybe'" in proc.stdout
 
 
-def test_doctor_exits_non_zero_when_liveness_is_asked_for_with_the_guard_off():
-    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_LIVENESS": "1"})
+@pytest.mark.parametrize("variable", ["SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_FINITE"])
+def test_doctor_exits_non_zero_when_a_deeper_check_is_asked_for_with_the_guard_off(variable):
+    proc = run_python(DOCTOR, {variable: "1"})
     assert proc.returncode == 2
-    assert "invalid SGLANG_OOBGUARD_LIVENESS='1'" in proc.stdout and "SGLANG_ENABLE_ASYNC_ASSERT=1" in proc.stdout
+    assert f"invalid {variable}='1'" in proc.stdout and "SGLANG_ENABLE_ASYNC_ASSERT=1" in proc.stdout
+
+
+def test_doctor_says_whether_the_value_check_is_on_and_which_writers_values_it_cannot_see():
+    from sglang_oobguard.model.targets import FUSED_WRITERS
+
+    off = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn"})
+    on = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_FINITE": "1"})
+    assert off.returncode == on.returncode == 0, off.stderr[-2000:] + on.stderr[-2000:]
+    assert "\nfinite values: off (set SGLANG_OOBGUARD_FINITE=1 to check it); " in off.stdout
+    line = next(row for row in on.stdout.splitlines() if row.startswith("finite values: on; "))
+    unseen = [writer for writer in FUSED_WRITERS if not writer.values]
+    assert unseen and all(f"{writer.function} ({writer.unseen})" in line for writer in unseen), line
+    for writer in FUSED_WRITERS:  # each writer's row names the values it reads
+        row = next(row for row in on.stdout.splitlines() if row.split()[:1] == [writer.function])
+        assert row.endswith("; values: " + (", ".join(name for _, name in writer.values) or "NOT seen")), row
 
 
 # A sitecustomize for a fresh interpreter: the import of sglang's memory_pool raises

@@ -21,7 +21,8 @@ import sglang_oobguard
 from helpers import Layer, mha, token_allocator
 from sglang_oobguard.checks import guard as guard_mod
 from sglang_oobguard.probes import device, hostscan, kernels, pools, record, shadow
-from sglang_oobguard.checks import liveness, stepcheck, swa, writes
+from sglang_oobguard.checks import liveness, stepcheck, swa, values, writes, writers
+from sglang_oobguard.probes import valuekernel
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
@@ -74,6 +75,31 @@ def test_liveness_alloc_free_and_writes_issue_no_host_sync(mp, guard):
     assert pool._oobguard_state.record.read_now().calls == 2
 
 
+def test_the_value_check_issues_no_host_sync(mp, guard):
+    """SGLANG_OOBGUARD_FINITE on the kernel path: a clean and a NaN write, both launch the
+    value kernel and read nothing back; the NaN is found at the next check point."""
+    guard("raise", backend="triton", poll_every=1000, finite=True)
+    pool = mha(mp)
+    k = torch.zeros(3, 2, 4)
+    nan = k.clone()
+    nan[1, 0, 3] = float("nan")
+    pool.set_kv_buffer(Layer(0), torch.tensor([1, 2, 3]), k, k)  # attach the record outside the log
+    launches = []
+    with OpLog() as log:
+        original = valuekernel.launch_values
+        valuekernel.launch_values = lambda *a, **kw: launches.append(a[5]) or original(*a, **kw)
+        try:
+            pool.set_kv_buffer(Layer(0), torch.tensor([1, 2, 3]), k, k)
+            pool.set_kv_buffer(Layer(1), torch.tensor([4, 5, 6]), k, nan)  # recorded, written unchanged
+        finally:
+            valuekernel.launch_values = original
+    assert not SYNCING & set(log.ops), sorted(SYNCING & set(log.ops))
+    assert launches == ["cache_k", "cache_v"] * 2  # one launch per part, none skipped
+    assert torch.isnan(pool.v_buffer[1][5]).any()  # the observer wrote the values as given
+    with pytest.raises(sglang_oobguard.KVOutOfBoundsError, match=r"layer 1: cache_v of loc\[1\] \(slot 5\) head 0 is nan"):
+        sglang_oobguard.check()
+
+
 def test_host_scan_is_what_would_sync(mp):
     """The dispatch check can fail: the CPU host path does read values."""
     with OpLog() as log:
@@ -88,7 +114,9 @@ HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_
             liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages,
             liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end, liveness._update,
             liveness.counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin,
-            swa.make_wrapper, swa.make_mapping_hook, swa.check_door]
+            swa.make_wrapper, swa.make_mapping_hook, swa.check_door,
+            values.check_values, values.parts, values.before_write, valuekernel.launch_values, valuekernel.layout,
+            writers.make_writer_wrapper]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 

@@ -15,7 +15,7 @@ from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from ..model.quiet import quiet
 from ..model.swatargets import FAMILIES
-from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED,
+from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, VALUE_DTYPES,
                              is_supported, module_file, version_of_sglang, write_map_off)
 from ..model.transfertargets import DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
 from ..model.violation import site_label
@@ -57,6 +57,7 @@ def run() -> int:
     print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value} "
           f"({config.BACKEND_PATHS[settings.backend]}); "
           f"liveness: {'on' if settings.liveness else f'off (set {config.LIVENESS_VAR}=1 to check it)'}")
+    _print_finite(settings)
     _print_report_dir(settings)
     if isinstance(entries, str):
         print(f"guarded: nothing ({entries})")
@@ -108,7 +109,8 @@ def _outside_pools() -> list[str]:
     for writer in FUSED_WRITERS:
         states = [found(module, "", writer.function) for module in writer.modules]
         here = next((state for state in states if state.startswith("found")), states[0])
-        lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}")
+        values = ", ".join(name for _, name in writer.values) or "NOT seen"
+        lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}; values: {values}")
     from ..checks.transfer import HOOK_ROLES, NO_DRAIN  # needs torch: imported after _inspect checked for it
 
     lines.append("KV transfers (PD disaggregation, with liveness; only the ids are seen, the transfer "
@@ -161,6 +163,16 @@ def _import_pools() -> None:
                     "install the versions this sglang release requires (pip show sglang; its Requires-Dist)")
         raise _PoolsUnimportable(f"sglang_oobguard doctor: sglang's pools do not import here, nothing can be guarded "
                                  f"({MEMORY_POOL}: {cause}); {todo}") from None
+
+
+def _print_finite(settings: config.Config) -> None:
+    """The value check: on or off, what it reads, and which writers' values it cannot see."""
+    unseen = "; ".join(f"{writer.function} ({writer.unseen})" for writer in FUSED_WRITERS if not writer.values)
+    state = "on" if settings.finite else f"off (set {config.FINITE_VAR}=1 to check it)"
+    print(f"finite values: {state}; every floating argument a guarded write stores (K, V, MLA's parts, scales) "
+          f"is checked for NaN and Inf, on GPU tensors for {', '.join(VALUE_DTYPES)} "
+          f"rows of contiguous values (another dtype or layout: a WARNING once, not checked); values NOT seen: "
+          f"the fused writers {unseen or 'none'}; writes by code the guard does not wrap")
 
 
 def _print_report_dir(settings: config.Config) -> None:

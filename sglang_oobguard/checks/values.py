@@ -16,14 +16,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..model.config import Backend, Mode
+from ..model.config import Mode
 from ..model.log import logger
+from ..model.targets import VALUE_DTYPES
 from ..probes import device, valuekernel
-from ..probes.record import Record
+from ..probes.record import Record, fold_host
 from ..probes.values import is_value, scan_values
 from .guard import Guard
 
-# A pending host report: the pool's state and the call's record.
+# One write's host findings, one per part: the pool's state and the part's record.
 Pending = list[tuple[Any, Record]]
 
 
@@ -47,13 +48,10 @@ def parts(params: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> lis
 def check_values(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, layer: Callable[[], int],
                  given: list[tuple[str, Any]]) -> Pending:
     """Check one write's values; returns the host findings to publish (`publish`). A
-    kernel finding folds into the pool's record, read at the next check point."""
+    kernel finding folds into the pool's record, read at the next check point (not
+    polled here: a poll that raised now would stop the write raise mode lets through)."""
     state = guard.state(pool, loc.device)
-    if device.is_gpu(loc):
-        capturing = device.capturing()
-        host = guard.config.backend is Backend.TORCH and not capturing
-    else:
-        host = guard.config.backend is not Backend.TRITON
+    host = guard.on_host(loc)
     pending: Pending = []
     strict = guard.config.mode is Mode.STRICT and device.is_gpu(loc)
     for name, values in given:
@@ -61,20 +59,23 @@ def check_values(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: in
             finding = scan_values(values, loc.numel())
             if finding is not None:
                 pending.append((state, finding.record(site, layer(), high, loc, name, guard.steps.number)))
-        elif valuekernel.launch_values(values, loc, high, site, layer(), name, state.record.tensor, state.scratch,
-                                       guard.steps.counter(state.device), strict):
-            guard.launched(state)
-        elif guard.first_time(f"values unseen {name} {values.dtype}"):
+        elif not valuekernel.launch_values(values, loc, high, site, layer(), name, state.record.tensor,
+                                           state.scratch, guard.steps.counter(state.device), strict) \
+                and guard.first_time(f"values unseen {name} {values.dtype}"):
             logger.warning("sglang_oobguard: %s: %s (%s, strides %s) not checked for NaN/Inf: the value kernel "
                            "reads %s rows of contiguous values only", state.pool_name, name, values.dtype,
-                           tuple(values.stride()), ", ".join(str(d).split(".")[-1] for d in valuekernel.DTYPES))
+                           tuple(values.stride()), ", ".join(VALUE_DTYPES))
     return pending
 
 
 def publish(guard: Guard, pending: Pending) -> None:
-    """Report host findings (raises unless warn)."""
-    for state, record in pending:
-        guard.report_now(state, record)
+    """Report one write's host findings: every part folded into the pool's record, the
+    first one published with the running totals (raises unless warn)."""
+    state, first = pending[0]
+    for _, record in pending:
+        fold_host(state.record.tensor, record)
+    totals = state.record.read_now()
+    guard.publish(state, first._replace(total_bad=totals.total_bad, calls=totals.calls))
 
 
 def before_write(guard: Guard, pending: Optional[Pending]) -> None:

@@ -20,6 +20,7 @@ from ..model.violation import site_id
 from ..probes import device
 from ..probes.pools import NAME_ATTR, SITES_ATTR
 from ..report.reporter import KVOutOfBoundsError
+from . import values
 from .guard import Guard
 from .calls import argument, replaced
 from .writes import check_write
@@ -47,6 +48,7 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
     holders: dict[tuple[torch.device, int], WriterSite] = {}
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        pending = None
         try:
             given = len(args) > ids_at
             loc = argument(args, kwargs, ids_at, ids_name)
@@ -62,10 +64,17 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
                                                                  slots=False)
                 if checked is not loc:
                     args, kwargs = replaced(args, kwargs, ids_at, ids_name, given, checked)
+                if holder is not None and guard.config.finite and writer.values:
+                    pending = values.check_values(guard, holder, site, loc, bound, lambda: -1,
+                                                  values.parts(writer.values, args, kwargs))
+                values.before_write(guard, pending)
         except KVOutOfBoundsError:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked
             guard.internal_error(writer.label, exc)
-        return wrapped(*args, **kwargs)
+        result = wrapped(*args, **kwargs)
+        if pending:  # raise and warn: the values went in unchanged, now the report
+            values.publish(guard, pending)
+        return result
 
     return wrapper

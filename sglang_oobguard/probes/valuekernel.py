@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..model.targets import VALUE_DTYPES
 from ..model.violation import FINITE_ASSERT, Kind, part_id
 from . import device
-from .kernels import _NO_POS, _conclude, _launch, PROBE_BLOCK
+from .kernels import _NO_POS, PROBE_BLOCK, _conclude, _launch
 from .record import OFFSET
 
 _KIND = tl.constexpr(OFFSET["kind"])
@@ -31,8 +32,7 @@ _ELEM = tl.constexpr(OFFSET["elem"])
 _PART = tl.constexpr(OFFSET["part"])
 _NONFINITE = tl.constexpr(int(Kind.NONFINITE))
 CHUNK = 16384  # values per program: a decode write of 16 tokens x 8 heads x 128 is one program
-# The value dtypes a write hands over (the model's, and FP8's stored form): what a warm-up compiles.
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = tuple(getattr(torch, name) for name in VALUE_DTYPES)  # what a warm-up compiles
 
 
 @triton.jit

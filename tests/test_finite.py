@@ -1,0 +1,141 @@
+"""SGLANG_OOBGUARD_FINITE: the values every guarded write stores, checked for NaN and
++-Inf on the six sites of sglang's real pools (MHA, MLA's latent and its nope and rope
+parts, the FP4 pools), by the host scan (CPU tensors) and by the value kernel (forced,
+run by Triton's interpreter). A report names the site, layer, part, token, slot, head and
+what the value is; the values are written as given except in strict, which stops first."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+
+import sglang_oobguard
+from helpers import Layer, as_write_loc, mha, sglang_can_write, site_cases
+from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.probes import kernels, valuekernel
+
+PATHS = ["auto", "triton"]  # the host scan; the kernel
+
+
+def write(pool, method: str, layer: int, loc: list[int], a, b, mp) -> None:
+    getattr(pool, method)(Layer(layer), as_write_loc(mp, torch.tensor(loc)), a, b)
+    sglang_oobguard.check()  # the kernel's record is read at a check point
+
+
+@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("label", list(site_cases(None)))
+def test_a_nan_in_each_part_of_each_site_is_reported_by_part_layer_token_slot_and_head(mp, guard, label, which,
+                                                                                         backend):
+    sglang_can_write(mp, label)
+    make, method, payload = site_cases(mp)[label]
+    guard("raise", backend=backend, finite=True)
+    pool = make()
+    given = list(payload(3))
+    if given[which] is None:
+        pytest.skip(f"{label} stores one part (MLA's latent)")
+    part = given[which]
+    heads = part.shape[1]
+    part[2, heads - 1, 1] = float("nan")
+    name = [p for p in inspect.signature(getattr(type(pool), method)).parameters][3 + which]
+    with pytest.raises(KVOutOfBoundsError) as info:
+        write(pool, method, 1, [7, 8, 9], *given, mp)
+    v = info.value.violation
+    assert (v.kind, v.layer, v.pos, v.value, v.part, v.head, v.element, v.padding, v.bad) == \
+        ("nonfinite", 1, 2, 9, name, heads - 1, "nan", False, 1), v
+    assert str(v) == f"{label} layer 1: {name} of loc[2] (slot 9) head {heads - 1} is nan, not finite " \
+                     "(1 non-finite values written)"
+
+
+@pytest.mark.parametrize("backend", PATHS)
+def test_clean_writes_report_nothing(mp, guard, backend):
+    guard("raise", backend=backend, finite=True)
+    pool = mha(mp)
+    for layer in range(4):
+        write(pool, "set_kv_buffer", layer, [1, 2, 3], torch.randn(3, 2, 4), torch.randn(3, 2, 4) * 1e30, mp)
+    assert not sglang_oobguard.violations()
+
+
+@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("mode", ["raise", "warn"])
+def test_raise_and_warn_write_the_values_unchanged_and_count_every_non_finite_one(mp, guard, backend, mode, caplog):
+    guard(mode, backend=backend, finite=True)
+    pool = mha(mp)
+    k, v = torch.randn(4, 2, 4), torch.randn(4, 2, 4)
+    k[1, 1, 0], k[3, 0, 2], v[0, 0, 0] = float("inf"), float("nan"), float("-inf")
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        try:
+            write(pool, "set_kv_buffer", 2, [10, 11, 12, 13], k, v, mp)
+        except KVOutOfBoundsError:
+            assert mode == "raise"
+    assert torch.equal(pool.k_buffer[2][10:14], k) is False and torch.allclose(
+        pool.k_buffer[2][10:14].nan_to_num(), k.nan_to_num())  # NaN != NaN: compare them as numbers
+    assert torch.isinf(pool.k_buffer[2][11, 1, 0]) and torch.isneginf(pool.v_buffer[2][10, 0, 0])
+    first = sglang_oobguard.violations()[0]
+    assert (first.part, first.pos, first.value, first.head, first.element, first.bad) == \
+        ("cache_k", 1, 11, 1, "+inf", 2)  # K's first; V's -inf is the second call of the record
+    assert first.calls == 2 and first.total_bad == 3
+    if mode == "warn":
+        assert "non-finite KV values, written unchanged" in caplog.text
+        assert "set_kv_buffer (MHA) layer 2: cache_k of loc[1] (slot 11) head 1 is +inf" in caplog.text
+
+
+def test_strict_stops_before_the_write(mp, guard):
+    guard("strict", finite=True)  # the host path: on a GPU the device-side assert stops the stream
+    pool = mha(mp)
+    k = torch.ones(2, 2, 4)
+    k[0, 0, 0] = float("-inf")
+    with pytest.raises(KVOutOfBoundsError, match=r"cache_k of loc\[0\] \(slot 3\) head 0 is -inf"):
+        write(pool, "set_kv_buffer", 0, [3, 4], k, k, mp)
+    assert not pool.k_buffer[0][3:5].any()  # nothing written
+
+
+@pytest.mark.parametrize("backend", PATHS)
+def test_a_nan_written_to_padding_slot_0_is_named_so(mp, guard, backend, caplog):
+    """sglang #36207 starts so: every padded batch then reads the NaN."""
+    guard("warn", backend=backend, finite=True)
+    pool = mha(mp)
+    k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    v[0, 1, 3] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        write(pool, "set_kv_buffer", 1, [0, 6], k, v, mp)
+    (violation,) = sglang_oobguard.violations()
+    assert violation.padding is True and violation.value == 0 and violation.pos == 0
+    assert "set_kv_buffer (MHA) layer 1: cache_v of loc[0] (padding slot 0) head 1 is nan" in caplog.text
+    assert torch.isnan(pool.v_buffer[1][0, 1, 3])  # not dropped: the README says why
+
+
+def test_a_non_finite_scale_is_reported_without_a_token(mp, guard):
+    guard("raise", finite=True)
+    pool = mha(mp)
+    k = torch.ones(2, 2, 4)
+    with pytest.raises(KVOutOfBoundsError, match=r"set_kv_buffer \(MHA\) layer 0: k_scale is nan, not finite"):
+        pool.set_kv_buffer(Layer(0), torch.tensor([1, 2]), k, k, k_scale=float("nan"))
+    v = sglang_oobguard.violations()[0]
+    assert (v.pos, v.value, v.head, v.padding) == (-1, -1, None, None)
+
+
+def test_the_kernel_split_over_programs_finds_the_first_and_counts_all(mp, guard):
+    guard("raise", backend="triton", finite=True)
+    pool = mha(mp, size=8192)
+    n = 5000  # 8 values a token: 40000 values, 3 programs of CHUNK
+    assert -(-n * 8 // valuekernel.CHUNK) == 3
+    k = torch.zeros(n, 2, 4)
+    k[4500, 0, 0] = float("nan")
+    k[3000, 1, 2] = float("-inf")  # the first, in the second program
+    with pytest.raises(KVOutOfBoundsError) as info:
+        write(pool, "set_kv_buffer", 0, list(range(1, n + 1)), k, k.clone().zero_(), mp)
+    v = info.value.violation
+    assert (v.pos, v.value, v.head, v.element, v.bad, v.numel) == (3000, 3001, 1, "-inf", 2, n)
+    assert pool._oobguard_state.scratch.tolist() == list(kernels.SCRATCH_INIT)  # put back
+
+
+def test_finite_off_checks_no_value(mp, guard):
+    guard("raise")
+    pool = mha(mp)
+    k = torch.full((2, 2, 4), float("nan"))
+    write(pool, "set_kv_buffer", 0, [1, 2], k, k, mp)
+    assert not sglang_oobguard.violations()
