@@ -60,14 +60,14 @@ def writer_call(guard, monkeypatch):
     ROWS rows (pages) at the writer's own positions, the rest None; reached holds the
     arguments the kernel got, by name."""
 
-    def make(writer: Writer, mode: str, backend: str = "auto"):
+    def make(writer: Writer, mode: str, backend: str = "auto", finite: bool = False):
         if writer.function in CUDA_ONLY and home(writer) is None:
             imported_on_cuda(writer, monkeypatch)
         module = home(writer)
         if module is None:
             pytest.skip(f"this sglang has no {writer.function} in {' or '.join(writer.modules)} "
                         "(or defines it only on CUDA)")
-        guard(mode, backend=backend)
+        guard(mode, backend=backend, finite=finite)
         wrapped = vars(module)[writer.function]
         assert hasattr(wrapped, "__wrapped__"), f"the guard did not wrap {writer.function} in {module.__name__}"
         names = list(inspect.signature(wrapped.__wrapped__).parameters)
@@ -83,8 +83,10 @@ def writer_call(guard, monkeypatch):
 
         monkeypatch.setattr(wrapped, "__wrapped__", recorder)
 
-        def call(loc: torch.Tensor, keywords: bool = False) -> None:
+        def call(loc: torch.Tensor, keywords: bool = False, given: Optional[dict[int, Any]] = None) -> None:
             args: list[Any] = [None] * len(names)
+            for at, value in (given or {}).items():  # the values it stores, by position
+                args[at] = value
             args[writer.ids.position] = loc
             args[writer.rows[0]] = torch.zeros(ROWS, 4)
             if writer.per_row:
@@ -92,6 +94,7 @@ def writer_call(guard, monkeypatch):
             function = vars(module)[writer.function]  # as sglang calls it: the module's global
             function(**dict(zip(names, args))) if keywords else function(*args)
 
+        call.names = names  # type: ignore[attr-defined]  # the writer's own parameters
         return call, reached
 
     return make
@@ -128,6 +131,30 @@ def test_warn_contains_into_a_copy_and_logs(writer_call, writer, backend, keywor
     assert got[writer.ids.names[0]].tolist() == [3, 0, 4]
     assert loc.tolist() == [3, -1, 4]  # the caller's ids are never changed
     assert f"{writer.label}: 1 of 3 slot ids outside [0, {bound_of(writer)}): loc[1] = -1" in caplog.text
+
+
+WITH_VALUES = [w for w in FUSED_WRITERS if w.values]
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("writer", WITH_VALUES, ids=lambda w: w.function)
+def test_finite_reads_each_value_a_writer_stores_and_lets_it_through(writer_call, writer, backend):
+    """Each named value argument, per token or a scale, is the one the signature has at
+    that place; a NaN in the last of them is reported after the kernel got it unchanged."""
+    call, reached = writer_call(writer, "raise", backend, finite=True)
+    names = call.names
+    assert [names[at] for at, _ in writer.values] == [name for _, name in writer.values]
+    given = {at: torch.ones(3, 2, 4) if "scale" not in name else torch.ones(1) for at, name in writer.values}
+    at, name = writer.values[-1]
+    given[at][-1] = float("nan")
+    with pytest.raises(KVOutOfBoundsError) as info:
+        call(torch.tensor([0, 1, 2]), given=given)  # the host scan raises after the kernel
+        assert backend == "triton"
+        sglang_oobguard.check()  # the value kernel's record is read at a check point
+    assert len(reached) == 1 and torch.isnan(reached[0][name]).any()  # the kernel got it unchanged
+    v = info.value.violation
+    assert (v.label, v.part, v.element) == (writer.label, name, "nan"), v
+    assert (v.pos, v.value) == ((2, 2) if "scale" not in name else (-1, -1)), v
 
 
 def test_doctor_lists_every_fused_writer_with_its_bound_and_whether_this_sglang_has_it():
