@@ -25,6 +25,11 @@ cross, and the faulted request's req_to_token entry is rewritten to match before
 forward and restored after it, so the tables agree (one slot held by two running
 requests) while sglang's own books (frees, its leak check) stay balanced.
 
+`value=nan,layer=L` (SGLANG_OOBGUARD_FINITE's fault): on the chosen forward, the K that
+layer L's attention (`RadixAttention.forward`) hands on for `token` gets a NaN in its
+first element (head 0), as an overflow upstream of the KV write would leave it; the
+out_cache_loc is left as it is. That token's K/V write at layer L carries the NaN.
+
 `site=move` counts `move_kv_cache` calls instead (speculative decoding's move of the
 accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
 (`value=freed` is the only value there): a move into a slot already given back. Its
@@ -57,6 +62,7 @@ _tally = {"writes": 0, "moves": 0, "frees": 0, "probes": 0, "steps": 0}
 _rank = {"rank": None}
 _allocators: dict[int, object] = {}  # id(KV pool) -> its model runner's allocator
 _move_wrapped = []
+_poison: list[tuple[int, int]] = []  # value=nan: (layer, token) while the chosen forward runs
 _outer: list[bool] = []  # `_forward` is on, outermost
 
 
@@ -116,6 +122,8 @@ def _forward(wrapped, instance, args, kwargs):
             raw = spec["value"]
             if raw == "freed":
                 _free_one(instance.token_to_kv_pool_allocator, loc, token, "out_cache_loc", _count)
+            elif raw == "nan":
+                return _nan_fault(wrapped, instance, args, kwargs, batch, loc, token, int(spec["layer"]))
             elif raw in ("cross", "dup", "twin"):
                 return _ownership_fault(wrapped, instance, args, kwargs, batch, loc, token, raw)
             else:
@@ -139,6 +147,32 @@ def _forward(wrapped, instance, args, kwargs):
 
         wrapt.wrap_function_wrapper("sglang.srt.mem_cache.memory_pool", "MHATokenToKVPool.move_kv_cache", _move)
         _move_wrapped.append(True)
+    return wrapped(*args, **kwargs)
+
+
+def _nan_fault(wrapped, instance, args, kwargs, batch, loc, token: int, layer: int):
+    """value=nan on this forward: layer `layer`'s K of `token` becomes NaN (`_attention`)."""
+    global _count
+    print(f"oobguard_faultinject: step {_count} token {token} of {loc.numel()}: K at layer {layer} -> nan, slot "
+          f"{int(loc[token])} (pid {os.getpid()}; {_whose(batch, token)})", file=sys.stderr, flush=True)
+    _count += 1
+    _tally["steps"] += 1
+    _poison.append((layer, token))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _poison.clear()
+
+
+def _attention(wrapped, instance, args, kwargs):
+    """RadixAttention.forward(q, k, v, forward_batch, ...): while `_poison` names this
+    layer, the K it writes carries a NaN at the token's first element (a copy: the
+    model's own tensor is left alone)."""
+    if _poison and _poison[0][0] == instance.layer_id and len(args) > 1 and args[1] is not None:
+        token = _poison[0][1]
+        k = args[1].clone()
+        k.view(k.shape[0], -1)[token, 0] = float("nan")
+        args = (args[0], k, *args[2:])
     return wrapped(*args, **kwargs)
 
 
@@ -265,6 +299,10 @@ def load() -> None:
     wrapt.register_post_import_hook(_patch_runner, "sglang.srt.model_executor.model_runner")
     wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
     wrapt.register_post_import_hook(_patch_allocator, "sglang.srt.mem_cache.allocator.token")
+    if _spec().get("value") == "nan":
+        wrapt.register_post_import_hook(
+            lambda m: wrapt.wrap_function_wrapper(m, "RadixAttention.forward", _attention),
+            "sglang.srt.layers.radix_attention")
     if os.environ.get("OOBGUARD_COUNT"):
         wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probes.hostscan")
         wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probes.kernels")
