@@ -7,7 +7,9 @@ upstream's in-source probe, measured side by side in one run, plus the cost when
 Each row interleaves its variants round by round and reports median per-call times and
 the median of per-round ratios, so background noise hits every variant alike. "guarded + upstream flag" is the guard
 with SGLANG_ENABLE_ASYNC_ASSERT=1 too, where upstream's duplicate probe is skipped. "liveness" is the guard with
-SGLANG_OOBGUARD_LIVENESS=1, every slot handed out by sglang's own allocator so that every write is checked in full. One torch thread, as sglang's CPU
+SGLANG_OOBGUARD_LIVENESS=1, every slot handed out by sglang's own allocator so that every write is checked in full.
+"finite" is the guard with SGLANG_OOBGUARD_FINITE=1: the K and V each write stores checked for NaN and Inf
+(its own table: the write with it, and the host value check alone beside the bare write). One torch thread, as sglang's CPU
 reference measurement used. A benchmark, not a test: it prints ratios against targets.
 """
 
@@ -30,6 +32,7 @@ from swa_step import swa_step_row
 
 ASYNC_ASSERT = "SGLANG_ENABLE_ASYNC_ASSERT"
 LIVENESS = "SGLANG_OOBGUARD_LIVENESS"
+FINITE = "SGLANG_OOBGUARD_FINITE"
 SIZE, PAGE, HEADS, DIM = 8192, 1, 8, 128
 HIGH = SIZE + PAGE
 
@@ -77,17 +80,22 @@ def write_rows(quick: bool) -> list[dict]:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.utils.async_probe import maybe_detect_oob
     from sglang_oobguard.probes import hostscan as probe
+    from sglang_oobguard.probes.values import scan_values
 
     pool = MHATokenToKVPool(SIZE, PAGE, torch.bfloat16, HEADS, DIM, 1, "cpu", False)
 
     def plain() -> None:
         sglang_oobguard.uninstall()
-        os.environ.pop(ASYNC_ASSERT, None)
-        os.environ.pop(LIVENESS, None)
+        for name in (ASYNC_ASSERT, LIVENESS, FINITE):
+            os.environ.pop(name, None)
 
     def ours() -> None:
-        os.environ.pop(ASYNC_ASSERT, None)  # upstream's own probe stays off: the ratio is ours
-        os.environ.pop(LIVENESS, None)
+        plain()  # upstream's own probe stays off: the ratio is ours
+        sglang_oobguard.install("strict")
+
+    def finite() -> None:
+        plain()
+        os.environ[FINITE] = "1"
         sglang_oobguard.install("strict")
 
     allocators: list = []
@@ -116,9 +124,11 @@ def write_rows(quick: bool) -> list[dict]:
         write = lambda: pool.set_kv_buffer(Layer, loc, k, k)  # noqa: E731
         calls = 20 if quick else max(20, 20000 // (n + 8))
         rounds = 2 if quick else 25
-        w = per_call_us({"unguarded": write, "guarded": write, "upstream": write, "both": write, "live": write},
+        w = per_call_us({"unguarded": write, "guarded": write, "upstream": write, "both": write, "live": write,
+                         "finite": write, "values": lambda: (scan_values(k, n), scan_values(k, n)),
+                         "bare": write},
                         calls, rounds, {"unguarded": plain, "guarded": ours, "upstream": upstream, "both": both,
-                                        "live": live})
+                                        "live": live, "finite": finite, "values": plain, "bare": plain})
         p = per_call_us({"ours": lambda: probe.scan_host(loc, HIGH),
                          "theirs": lambda: maybe_detect_oob(loc, 0, HIGH, "set_kv_buffer (MHA)")},
                         calls * 4, rounds, {"ours": plain, "theirs": upstream})
@@ -127,6 +137,8 @@ def write_rows(quick: bool) -> list[dict]:
         rows.append({"n": n, **median, "guarded_x": ratio(w, "guarded", "unguarded"),
                      "upstream_x": ratio(w, "upstream", "unguarded"), "both_x": ratio(w, "both", "unguarded"),
                      "live_x": ratio(w, "live", "unguarded"), "added_x": added(w),
+                     "finite_x": ratio(w, "finite", "unguarded"), "finite_guarded_x": ratio(w, "finite", "guarded"),
+                     "values_x": ratio(w, "values", "bare"),
                      "probe_x": ratio(p, "ours", "theirs")})
     return rows
 
@@ -303,6 +315,17 @@ def main() -> int:
     print("|---|---|---|---|")
     for r in cold:
         print(f"| {r['n']} | {r['cold']:.1f} us | {r['warm']:.1f} us | {r['cold'] / r['warm']:.1f}x |")
+    print(f"\n{FINITE}=1 (strict): each write's K and V checked for NaN and Inf by the host scan (a float32 sum "
+          "of each, one pass; the first non-finite value located only when there is one). The write with the "
+          "check on against it unguarded and guarded without it; the check alone (K and V) against the bare write "
+          "measured in the same rounds.\n")
+    print("| tokens N | set_kv_buffer unguarded | guarded (strict) | guarded + finite | vs unguarded | vs guarded "
+          "| value check alone (K and V) | bare write | check / write |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']} | {r['unguarded']:.1f} us | {r['guarded']:.1f} us | {r['finite']:.1f} us "
+              f"| {r['finite_x']:.2f}x | {r['finite_guarded_x']:.2f}x | {r['values']:.1f} us | {r['bare']:.1f} us "
+              f"| {r['values_x']:.2f}x |")
     print("\nOne decode step (16 tokens) through sglang's ModelRunner.forward under the step hook, each layer "
           "writing its KV at out_cache_loc through the real pool: probes per step, one per guarded write before "
           "the step check, and the step's time.\n")

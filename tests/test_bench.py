@@ -29,6 +29,10 @@ def test_cpu_benchmark_prints_every_row():
         assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x .* \| [\d.]+ us \| [\d.]+x", out, re.M), out
     for n in (1, 16, 256, 4096):  # the host check, cold and warm
         assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \|$", out, re.M), out
+    for n in (1, 16, 256, 4096):  # the value check's row: the write with it, and the check alone beside the write
+        assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \| [\d.]+x \| [\d.]+ us "
+                         rf"\| [\d.]+ us \| [\d.]+x \|$", out, re.M), out
+    assert "SGLANG_OOBGUARD_FINITE=1 (strict)" in out
     for layers in (1, 80):  # probes per step: one per layer before the step check, one after
         assert re.search(rf"^\| {layers} \| {layers} \| 1 \| \d+ us \| \d+ us \| [\d.]+x \|$", out, re.M), out
     assert re.search(r"^Sliding-window step .*batch 8: .* strict \+ liveness: \d+ us unguarded, \d+ us guarded "

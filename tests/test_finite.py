@@ -139,3 +139,15 @@ def test_finite_off_checks_no_value(mp, guard):
     k = torch.full((2, 2, 4), float("nan"))
     write(pool, "set_kv_buffer", 0, [1, 2], k, k, mp)
     assert not sglang_oobguard.violations()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu])
+def test_fp8_stored_values_and_scales_are_read_where_the_format_holds_nan(dtype):
+    """FP8 (E4M3, E5M2) values and MXFP8's UE8M0 scales can hold NaN: the host scan reads
+    them through a float copy (torch has no isfinite for them); FP4 (E2M1) has no NaN or Inf."""
+    from sglang_oobguard.probes.values import scan_values
+
+    clean = torch.ones(3, 2, 4)
+    assert scan_values(clean.to(dtype), 3) is None
+    clean[1, 1, 2] = float("nan")
+    assert scan_values(clean.to(dtype), 3) == (1, 1, 1, 0)
