@@ -13,8 +13,10 @@ For N = 1, 64, 1024, 8192 and 65536 slot ids it measures, side by side in one ru
     enqueue), and microseconds per call inside a replayed CUDA graph;
   - the public path: a real sglang `MHATokenToKVPool.set_kv_buffer` (bf16, 8 KV heads
     x 128) unguarded, guarded by install("strict"), guarded with liveness (every slot
-    handed out by sglang's own allocator), and unguarded with upstream's flag
-    SGLANG_ENABLE_ASYNC_ASSERT=1: host and eager microseconds and launches per call;
+    handed out by sglang's own allocator), unguarded with upstream's flag
+    SGLANG_ENABLE_ASYNC_ASSERT=1, and guarded with SGLANG_OOBGUARD_FINITE=1 (the value
+    kernel reads K and V once: its cost against the write's own traffic): host and eager
+    microseconds and launches per call;
 a synthetic decode step of 80 `set_kv_buffer` layer writes (64 tokens) captured in
 a CUDA graph: unguarded, ours (the capture holds one probe for the 80 writes),
 upstream's flag, ours with liveness; and, for large prefill chunks (8192 and 65536
@@ -42,7 +44,7 @@ SIZE, HEADS, DIM, LAYERS, DECODE_TOKENS = 65536, 8, 128, 80, 64
 HIGH = SIZE + 1
 SIZES = (1, 64, 1024, 8192, 65536)
 DRY_SIZES = SIZES[:3]  # the Triton interpreter takes about a second per call at 65536 ids
-WRITE_VARIANTS = ("unguarded", "guarded", "liveness", "upstream")
+WRITE_VARIANTS = ("unguarded", "guarded", "liveness", "upstream", "finite")
 
 
 class Layer:
@@ -211,6 +213,10 @@ def set_variant(variant: str, pool, device: str) -> None:
         TokenToKVPoolAllocator(SIZE, torch.bfloat16, device, pool, False).alloc(SIZE)  # every slot live
     elif variant == "upstream":
         os.environ["SGLANG_ENABLE_ASYNC_ASSERT"] = "1"
+    elif variant == "finite":  # the value check of K and V too: one more launch per part
+        os.environ["SGLANG_OOBGUARD_FINITE"] = "1"
+        sglang_oobguard.install("strict")
+        os.environ.pop("SGLANG_OOBGUARD_FINITE")
 
 
 def write_rows(clock: Clock, device: str, dry: bool) -> list[dict]:

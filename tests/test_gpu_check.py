@@ -74,7 +74,7 @@ def test_the_benchmark_numbers_are_in_both_files(report):
         for key in ("launches_ours", "eager_ours", "host_ours", "host_theirs", "graph_ours", "graph_live"):
             assert row[key] > 0, (key, row)
     for row in bench["writes"]:
-        for variant in ("unguarded", "guarded", "liveness", "upstream"):
+        for variant in ("unguarded", "guarded", "liveness", "upstream", "finite"):
             assert row[f"host_{variant}"] > 0 and row[f"eager_{variant}"] > 0 and row[f"launches_{variant}"] > 0
     assert {"unguarded", "ours", "upstream", "liveness"} <= set(bench["decode"])
     md = (out / "report.md").read_text()
