@@ -151,3 +151,15 @@ def test_fp8_stored_values_and_scales_are_read_where_the_format_holds_nan(dtype)
     assert scan_values(clean.to(dtype), 3) is None
     clean[1, 1, 2] = float("nan")
     assert scan_values(clean.to(dtype), 3) == (1, 1, 1, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_sum_that_overflows_is_no_finding(dtype):
+    """The clean path sums the values: large finite values whose sum overflows the dtype
+    (float16 at 65504) are checked again, and reported only if one of them is not finite."""
+    from sglang_oobguard.probes.values import scan_values
+
+    big = torch.full((64, 2, 4), torch.finfo(dtype).max / 4, dtype=dtype)
+    assert not torch.isfinite(big.sum()) and scan_values(big, 64) is None
+    big[5, 1, 0] = float("-inf")
+    assert scan_values(big, 64) == (1, 5, 1, 2)
