@@ -315,8 +315,8 @@ def main() -> int:
     print("|---|---|---|---|")
     for r in cold:
         print(f"| {r['n']} | {r['cold']:.1f} us | {r['warm']:.1f} us | {r['cold'] / r['warm']:.1f}x |")
-    print(f"\n{FINITE}=1 (strict): each write's K and V checked for NaN and Inf by the host scan (a float32 sum "
-          "of each, one pass; the first non-finite value located only when there is one). The write with the "
+    print(f"\n{FINITE}=1 (strict): each write's K and V checked for NaN and Inf by the host scan (a sum of each "
+          "in its own dtype, one pass; the first non-finite value located only when there is one). The write with the "
           "check on against it unguarded and guarded without it; the check alone (K and V) against the bare write "
           "measured in the same rounds.\n")
     print("| tokens N | set_kv_buffer unguarded | guarded (strict) | guarded + finite | vs unguarded | vs guarded "
