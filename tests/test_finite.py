@@ -163,3 +163,23 @@ def test_a_sum_that_overflows_is_no_finding(dtype):
     assert not torch.isfinite(big.sum()) and scan_values(big, 64) is None
     big[5, 1, 0] = float("-inf")
     assert scan_values(big, 64) == (1, 5, 1, 2)
+
+
+def test_a_prefix_valid_write_checks_only_the_rows_it_stores(mp, guard):
+    """set_kv_buffer_prefix_valid stores loc_2d[i, :commit_lens[i]]; a NaN in a row past
+    the prefix is never stored and is no finding; one in the prefix is (sglang's CPU path
+    stores the prefix through set_kv_buffer, checked there)."""
+    from helpers import needs
+
+    needs("MHATokenToKVPool.set_kv_buffer_prefix_valid")
+    guard("raise", finite=True)
+    pool = mha(mp)
+    loc_2d, lens = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([2, 1])
+    k = torch.ones(6, 2, 4)
+    k[2, 0, 0] = k[5, 1, 1] = float("nan")  # past each row's prefix
+    pool.set_kv_buffer_prefix_valid(Layer(0), loc_2d, lens, k, k.clone())
+    assert not sglang_oobguard.violations()
+    k[3, 1, 2] = float("inf")  # row 1's stored token: the third of the three stored
+    with pytest.raises(KVOutOfBoundsError, match=r"set_kv_buffer \(MHA\) layer 0: cache_k of loc\[2\] \(slot 4\) "
+                                                 r"head 1 is \+inf"):
+        pool.set_kv_buffer_prefix_valid(Layer(0), loc_2d, lens, k, k.clone())

@@ -172,7 +172,9 @@ def _print_finite(settings: config.Config) -> None:
     print(f"finite values: {state}; every floating argument a guarded write stores (K, V, MLA's parts, scales) "
           f"is checked for NaN and Inf, on GPU tensors for {', '.join(VALUE_DTYPES)} "
           f"rows of contiguous values (another dtype or layout: a WARNING once, not checked); values NOT seen: "
-          f"the fused writers {unseen or 'none'}; writes by code the guard does not wrap")
+          f"the fused writers {unseen or 'none'}; set_kv_buffer_prefix_valid (it stores each row's valid prefix "
+          "only; on the CPU sglang writes that prefix through set_kv_buffer, which is checked); writes by code "
+          "the guard does not wrap")
 
 
 def _print_report_dir(settings: config.Config) -> None:

@@ -12,7 +12,7 @@ after it, raise by raising.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -28,11 +28,12 @@ from .guard import Guard
 Pending = list[tuple[Any, Record]]
 
 
-def value_params(function: Callable[..., Any], after: int, skip: Iterable[str] = ()) -> tuple[tuple[int, str], ...]:
-    """The parameters of a write method (positions after self) from `after` on that may
-    hold the values it stores; which of them do is seen per call (`is_value`)."""
-    names = [name for name in inspect.signature(function).parameters if name != "self"]
-    return tuple((at, name) for at, name in enumerate(names) if at >= after and name not in skip)
+def value_params(function: Callable[..., Any], after: int) -> tuple[tuple[int, str], ...]:
+    """The named parameters of a write method (positions after self) from `after` on,
+    which may hold the values it stores; which of them do is seen per call (`is_value`)."""
+    params = [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+    return tuple((at, p.name) for at, p in enumerate(params)
+                 if at >= after and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
 def parts(params: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[tuple[str, Any]]:

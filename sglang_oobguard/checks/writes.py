@@ -125,7 +125,9 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     # one id tensor of token slots, all written, nothing else checked at this door: the fast path may answer
     lean = len(specs) == 1 and lens_at is None and specs[0][5] and door is None
     head_high = specs[0][3]
-    value_at = values.value_params(found.original, max(spec[1] for spec in specs) + 1)
+    # A write with row lengths stores only each row's prefix: the rest of its values may be anything (on a
+    # CPU sglang passes the prefix on to set_kv_buffer, whose values are checked there).
+    value_at = () if lens_at is not None else values.value_params(found.original, max(spec[1] for spec in specs) + 1)
     calls = guard.calls
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -128,13 +128,14 @@ def launch_values(values: torch.Tensor, loc: torch.Tensor, high: int, site: int,
     if shape is None:  # another dtype would compile while serving
         return False
     rows, row_len, row_stride = shape
-    flat = loc if loc.dim() == 1 else loc.view(-1)
-    per_token = values.dim() >= 1 and rows == flat.numel()
+    flat = loc if loc.dim() == 1 else loc.view(-1) if loc.is_contiguous() else None  # view: no copy
+    per_token = flat is not None and values.dim() >= 1 and rows == flat.numel()
+    flat = loc.as_strided((0,), (1,)) if flat is None else flat  # a strided 2-D loc: a view, never read
     head_len = row_len // values.shape[1] if per_token and values.dim() >= 3 and values.shape[1] else 0
     n = values.numel()
     grid = max(-(-n // CHUNK), 1)
     constexprs = dict(PER_TOKEN=per_token, ASSERT=strict, MESSAGE=FINITE_ASSERT if strict else "", BLOCK=PROBE_BLOCK)
-    args = (values, n, max(row_len, 1), row_stride, head_len, flat, flat.stride(0), flat.numel(), high, site, layer,
+    args = (values, n, max(row_len, 1), row_stride, head_len, flat, flat.stride(0), loc.numel(), high, site, layer,
             part_id(part), record, scratch, step, CHUNK)
     device.enqueue(_launch, _finite_probe_kernel, grid, args, constexprs, strict)
     return True
