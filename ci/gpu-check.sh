@@ -9,7 +9,7 @@
 # Parts, each with its own hard time limit, each reported whatever the others did:
 #   install  the kit's wheels into /tmp/site (--no-deps, beside the machine's torch)
 #   env      bench/gpu_report.py env: GPU, versions, pool imports, sglang's JIT kernel
-#   tests    pytest tests/test_gpu.py tests/test_gpu_observer.py tests/test_gpu_timing.py tests/test_gpu_finite.py -v, junit xml
+#   tests    pytest tests/test_gpu.py tests/test_gpu_observer.py tests/test_gpu_timing.py -v, junit xml
 #   bench    bench/gpu_probe.py --json
 #   engine   bench/engine.py --device cuda (a real sgl_kernel only)
 # then bench/gpu_report.py write: report.md, report.json (plus junit.xml, env.json,
@@ -60,7 +60,7 @@ else
   report_args=()
 fi
 part env 70 "$python" bench/gpu_report.py env --json "$out/env.json"
-part tests 170 "$python" -m pytest tests/test_gpu.py tests/test_gpu_observer.py tests/test_gpu_timing.py tests/test_gpu_finite.py -v --junitxml "$out/junit.xml"
+part tests 170 "$python" -m pytest tests/test_gpu.py tests/test_gpu_observer.py tests/test_gpu_timing.py -v --junitxml "$out/junit.xml"
 part bench 110 "$python" bench/gpu_probe.py "${bench_args[@]}" --json "$out/bench.json"
 
 # Engine benchmark (issue 24): the real sglang Engine on the GPU with sglang's defaults

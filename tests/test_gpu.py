@@ -14,6 +14,7 @@ import torch
 import sglang_oobguard
 from helpers import Layer, cuda_kv, cuda_pool, run_python, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.model.violation import FINITE_ASSERT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -21,23 +22,30 @@ HIGH = 65
 MODES = ("strict", "raise", "warn")
 
 
-def test_strict_fails_the_process_at_the_next_sync_with_label_and_bound():
-    code = (
-        "import torch, sglang_oobguard\n"
-        "from sglang.srt.mem_cache import memory_pool as mp\n"
-        "sglang_oobguard.install('strict')\n"
-        "pool = mp.MHATokenToKVPool(64, 1, torch.bfloat16, 8, 128, 4, 'cuda', False)\n"
-        "class L: layer_id = 2\n"
-        "k = torch.randn(2, 8, 128, dtype=torch.bfloat16, device='cuda')\n"
-        "pool.set_kv_buffer(L, torch.tensor([1, 70], device='cuda'), k, k)\n"
-        "print('enqueued', flush=True)\n"
-        "torch.cuda.synchronize()\n"
-        "print('survived')\n"
-    )
-    proc = run_python(code, {"TRITON_INTERPRET": None})
+STRICT_SCRIPT = (
+    "import torch, sglang_oobguard\n"
+    "from sglang.srt.mem_cache import memory_pool as mp\n"
+    "sglang_oobguard.install('strict')\n"
+    "pool = mp.MHATokenToKVPool(64, 1, torch.bfloat16, 8, 128, 4, 'cuda', False)\n"
+    "class L: layer_id = 2\n"
+    "k = torch.randn(2, 8, 128, dtype=torch.bfloat16, device='cuda')\n"
+    "{fault}"
+    "pool.set_kv_buffer(L, torch.tensor({loc}, device='cuda'), k, k)\n"
+    "print('enqueued', flush=True)\n"
+    "torch.cuda.synchronize()\n"
+    "print('survived')\n"
+)
+
+
+@pytest.mark.parametrize("loc,fault,env,text", [
+    ([1, 70], "", {}, "set_kv_buffer (MHA): KV slot id outside [0, size + page_size)"),
+    ([1, 2], "k[1, 3, 5] = float('nan')\n", {"SGLANG_OOBGUARD_FINITE": "1"}, FINITE_ASSERT[:60]),  # the value kernel
+], ids=["bad id", "nan value"])
+def test_strict_fails_the_process_at_the_next_sync_naming_what_was_wrong(loc, fault, env, text):
+    proc = run_python(STRICT_SCRIPT.format(fault=fault, loc=loc), {"TRITON_INTERPRET": None, **env})
     assert "enqueued" in proc.stdout and "survived" not in proc.stdout
     assert proc.returncode != 0
-    assert "set_kv_buffer (MHA): KV slot id outside [0, size + page_size)" in proc.stdout + proc.stderr
+    assert text in proc.stdout + proc.stderr
 
 
 def test_raise_surfaces_at_check_and_contains(mp, guard):
@@ -71,22 +79,30 @@ def test_warn_keeps_every_other_row_intact(mp, guard):
     assert (v.pos, v.value) == (1, HIGH + 9)
 
 
-def test_cuda_graph_replay_checks_again(mp, guard):
-    guard("raise", poll_every=1000)
+@pytest.mark.parametrize("finite", [False, True], ids=["bad id", "nan value"])
+def test_cuda_graph_replay_checks_again(mp, guard, finite):
+    """A captured probe re-reads its ids, and (SGLANG_OOBGUARD_FINITE) the values, at every replay."""
+    guard("raise", poll_every=1000, finite=finite)
     pool = cuda_pool(mp)
     loc = torch.tensor([1, 2, 3, 4], device="cuda")
-    k = cuda_kv(4)
-    pool.set_kv_buffer(Layer(0), loc, k, k)  # warm-up: compiles outside capture
+    k, v = cuda_kv(4), cuda_kv(4)
+    pool.set_kv_buffer(Layer(0), loc, k, v)  # warm-up: compiles outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        pool.set_kv_buffer(Layer(0), loc, k, k)
+        pool.set_kv_buffer(Layer(0), loc, k, v)
     graph.replay()
     sglang_oobguard.check()  # clean
-    loc.copy_(torch.tensor([1, 2, 99, 4], device="cuda"))
+    if finite:
+        v[2, 5, 7] = float("-inf")
+    else:
+        loc.copy_(torch.tensor([1, 2, 99, 4], device="cuda"))
     graph.replay()
-    with pytest.raises(KVOutOfBoundsError, match=r"loc\[2\] = 99"):
+    expected = r"layer 0: cache_v of loc\[2\] \(slot 3\) head 5 is -inf" if finite else r"loc\[2\] = 99"
+    with pytest.raises(KVOutOfBoundsError, match=expected):
         sglang_oobguard.check()
+    if finite:
+        assert torch.isneginf(pool.v_buffer[0][3, 5, 7])  # written unchanged
 
 
 def test_liveness_on_cuda_catches_a_freed_slot_in_the_probe_and_in_a_graph(mp, guard):
@@ -223,6 +239,25 @@ def test_no_compile_after_one_warm_up_call_per_site(mp, guard, mode, record_prop
     record_property("compiles_after_warm_up_ours", len(ours))
     record_property("compiles_after_warm_up_sglang", len(later) - len(ours))
     assert ours == [], f"{len(ours)} compiles of ours after warm-up: {ours} (warm-up compiled {warm})"
+    sglang_oobguard.check()
+    assert sglang_oobguard.violations() == []
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+def test_the_value_kernel_compiles_nothing_after_a_pools_warm_up(mp, guard, mode):
+    """SGLANG_OOBGUARD_FINITE: the pool's construction compiles every value variant (dtype, id dtype)."""
+    guard(mode, poll_every=1, finite=True)
+    pool = cuda_pool(mp)  # built here: its warm-up compiles every value variant
+    torch.cuda.synchronize()
+    with triton_compiles() as later:
+        for n in (1, 7, 300):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                kv = torch.randn(n, 8, 128, dtype=dtype, device="cuda")
+                for ids in (torch.int32, torch.int64):
+                    pool.set_kv_buffer(Layer(1), torch.arange(1, n + 1, device="cuda", dtype=ids), kv, kv)
+        torch.cuda.synchronize()
+    ours = [name for name in later if name.startswith("sglang_oobguard")]
+    assert ours == [], ours
     sglang_oobguard.check()
     assert sglang_oobguard.violations() == []
 

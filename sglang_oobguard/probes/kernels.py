@@ -82,6 +82,22 @@ def _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr,
 
 
 @triton.jit
+def _last_of_programs(scratch_ptr, total, pos):
+    """A probe split over several programs: each adds its count and least position into
+    the scratch; the last to arrive (every other one has added in) takes the sums and
+    puts the scratch back as it found it. Returns (this is the last, total, position)."""
+    tl.atomic_add(scratch_ptr + 0, total)
+    tl.atomic_min(scratch_ptr + 1, pos)
+    ticket = tl.atomic_add(scratch_ptr + 2, tl.full([], 1, tl.int64))
+    last = ticket == tl.num_programs(0) - 1
+    if last:
+        total = tl.atomic_xchg(scratch_ptr + 0, 0)
+        pos = tl.atomic_xchg(scratch_ptr + 1, _NO_POS)
+        tl.atomic_xchg(scratch_ptr + 2, 0)
+    return last, total, pos
+
+
+@triton.jit
 def _id_ptrs(loc_ptr, offs, stride, row_len, row_stride, HAS_LENS: tl.constexpr):
     if HAS_LENS:
         row = offs // row_len
@@ -141,13 +157,8 @@ def _oob_probe_kernel(
         value = tl.sum(tl.where(first_pos == pos, first_val, 0), axis=0)
         _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE, 1)
     else:
-        tl.atomic_add(scratch_ptr + 0, total)
-        tl.atomic_min(scratch_ptr + 1, pos)
-        ticket = tl.atomic_add(scratch_ptr + 2, tl.full([], 1, tl.int64))
-        if ticket == tl.num_programs(0) - 1:  # the last program: every other one has added in
-            total = tl.atomic_xchg(scratch_ptr + 0, 0)
-            pos = tl.atomic_xchg(scratch_ptr + 1, _NO_POS)
-            tl.atomic_xchg(scratch_ptr + 2, 0)
+        last, total, pos = _last_of_programs(scratch_ptr, total, pos)
+        if last:
             at = _id_ptrs(loc_ptr, tl.minimum(pos, n - 1), stride, row_len, row_stride, HAS_LENS)
             value = tl.load(at, mask=total > 0, other=0).to(tl.int64)
             _conclude(record_ptr, total, pos, value, n, high, site, layer, step_ptr, ASSERT, MESSAGE, 1)

@@ -39,7 +39,8 @@ class Record(NamedTuple):
     owner: int = -1  # first violation: the req_to_token row that owns the slot (-1: unknown)
     # A non-finite value (Kind.NONFINITE): `bad` counts values, `pos` is the token's place in
     # the write's ids and `value` its slot (-1: a per-write part such as a scale, no token).
-    head: int = -1  # first violation: the head (dim 1 of a 3-D part; -1: none)
+    # Read for that kind only; 0 otherwise, as the id probes leave them.
+    head: int = 0  # first violation: the head (dim 1 of a 3-D part; -1: none)
     elem: int = 0  # first violation: which non-finite value (violation.ELEMENTS)
     part: int = 0  # first violation: which argument held it (violation.part_name)
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..model.targets import VALUE_DTYPES
 from ..model.violation import FINITE_ASSERT, Kind, part_id
 from . import device
-from .kernels import _NO_POS, PROBE_BLOCK, _conclude, _launch
+from .kernels import _NO_POS, PROBE_BLOCK, _conclude, _last_of_programs, _launch
 from .record import OFFSET
 
 _KIND = tl.constexpr(OFFSET["kind"])
@@ -95,13 +95,8 @@ def _finite_probe_kernel(
         _conclude_value(record_ptr, val_ptr, loc_ptr, loc_stride, total, pos, n, row_len, row_stride, head_len, rows,
                         high, site, layer, part, step_ptr, PER_TOKEN, ASSERT, MESSAGE)
     else:
-        tl.atomic_add(scratch_ptr + 0, total)
-        tl.atomic_min(scratch_ptr + 1, pos)
-        ticket = tl.atomic_add(scratch_ptr + 2, tl.full([], 1, tl.int64))
-        if ticket == tl.num_programs(0) - 1:  # the last program: every other one has added in
-            total = tl.atomic_xchg(scratch_ptr + 0, 0)
-            pos = tl.atomic_xchg(scratch_ptr + 1, _NO_POS)
-            tl.atomic_xchg(scratch_ptr + 2, 0)
+        last, total, pos = _last_of_programs(scratch_ptr, total, pos)
+        if last:
             _conclude_value(record_ptr, val_ptr, loc_ptr, loc_stride, total, pos, n, row_len, row_stride, head_len,
                             rows, high, site, layer, part, step_ptr, PER_TOKEN, ASSERT, MESSAGE)
 
