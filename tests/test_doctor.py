@@ -135,6 +135,7 @@ def test_doctor_exits_non_zero_when_a_deeper_check_is_asked_for_with_the_guard_o
 
 
 def test_doctor_says_whether_the_value_check_is_on_and_which_writers_values_it_cannot_see():
+    from sglang_oobguard.model.finite import UNSEEN, WRITER_VALUES
     from sglang_oobguard.model.targets import FUSED_WRITERS
 
     off = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn"})
@@ -142,11 +143,11 @@ def test_doctor_says_whether_the_value_check_is_on_and_which_writers_values_it_c
     assert off.returncode == on.returncode == 0, off.stderr[-2000:] + on.stderr[-2000:]
     assert "\nfinite values: off (set SGLANG_OOBGUARD_FINITE=1 to check it); " in off.stdout
     line = next(row for row in on.stdout.splitlines() if row.startswith("finite values: on; "))
-    unseen = [writer for writer in FUSED_WRITERS if not writer.values]
-    assert unseen and all(f"{writer.function} ({writer.unseen})" in line for writer in unseen), line
+    assert UNSEEN and all(f"{function} ({why})" in line for function, why in UNSEEN.items()), line
     for writer in FUSED_WRITERS:  # each writer's row names the values it reads
         row = next(row for row in on.stdout.splitlines() if row.split()[:1] == [writer.function])
-        assert row.endswith("; values: " + (", ".join(name for _, name in writer.values) or "NOT seen")), row
+        named = ", ".join(name for _, name in WRITER_VALUES.get(writer.function, ()))
+        assert row.endswith("; values: " + (named or "NOT seen")), row
 
 
 # A sitecustomize for a fresh interpreter: the import of sglang's memory_pool raises

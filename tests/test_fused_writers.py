@@ -17,6 +17,7 @@ import torch
 
 import sglang_oobguard
 from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.model.finite import UNSEEN, WRITER_VALUES
 from sglang_oobguard.model.targets import FUSED_WRITERS, Writer
 
 ROWS = 5
@@ -133,7 +134,12 @@ def test_warn_contains_into_a_copy_and_logs(writer_call, writer, backend, keywor
     assert f"{writer.label}: 1 of 3 slot ids outside [0, {bound_of(writer)}): loc[1] = -1" in caplog.text
 
 
-WITH_VALUES = [w for w in FUSED_WRITERS if w.values]
+WITH_VALUES = [w for w in FUSED_WRITERS if w.function in WRITER_VALUES]
+
+
+def test_every_fused_writer_names_the_values_it_stores_or_why_they_are_not_seen():
+    functions = [writer.function for writer in FUSED_WRITERS]
+    assert sorted(functions) == sorted([*WRITER_VALUES, *UNSEEN]) and not WRITER_VALUES.keys() & UNSEEN.keys()
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
@@ -143,9 +149,10 @@ def test_finite_reads_each_value_a_writer_stores_and_lets_it_through(writer_call
     that place; a NaN in the last of them is reported after the kernel got it unchanged."""
     call, reached = writer_call(writer, "raise", backend, finite=True)
     names = call.names
-    assert [names[at] for at, _ in writer.values] == [name for _, name in writer.values]
-    given = {at: torch.ones(3, 2, 4) if "scale" not in name else torch.ones(1) for at, name in writer.values}
-    at, name = writer.values[-1]
+    stored = WRITER_VALUES[writer.function]
+    assert [names[at] for at, _ in stored] == [name for _, name in stored]
+    given = {at: torch.ones(3, 2, 4) if "scale" not in name else torch.ones(1) for at, name in stored}
+    at, name = stored[-1]
     given[at][-1] = float("nan")
     with pytest.raises(KVOutOfBoundsError) as info:
         call(torch.tensor([0, 1, 2]), given=given)  # the host scan raises after the kernel

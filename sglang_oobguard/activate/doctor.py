@@ -13,9 +13,10 @@ from typing import Any
 
 from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
+from ..model.finite import UNSEEN, VALUE_DTYPES, WRITER_VALUES
 from ..model.quiet import quiet
 from ..model.swatargets import FAMILIES
-from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED, VALUE_DTYPES,
+from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED,
                              is_supported, module_file, version_of_sglang, write_map_off)
 from ..model.transfertargets import DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
 from ..model.violation import site_label
@@ -109,7 +110,7 @@ def _outside_pools() -> list[str]:
     for writer in FUSED_WRITERS:
         states = [found(module, "", writer.function) for module in writer.modules]
         here = next((state for state in states if state.startswith("found")), states[0])
-        values = ", ".join(name for _, name in writer.values) or "NOT seen"
+        values = ", ".join(name for _, name in WRITER_VALUES.get(writer.function, ())) or "NOT seen"
         lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}; values: {values}")
     from ..checks.transfer import HOOK_ROLES, NO_DRAIN  # needs torch: imported after _inspect checked for it
 
@@ -167,7 +168,7 @@ def _import_pools() -> None:
 
 def _print_finite(settings: config.Config) -> None:
     """The value check: on or off, what it reads, and which writers' values it cannot see."""
-    unseen = "; ".join(f"{writer.function} ({writer.unseen})" for writer in FUSED_WRITERS if not writer.values)
+    unseen = "; ".join(f"{function} ({why})" for function, why in UNSEEN.items())
     state = "on" if settings.finite else f"off (set {config.FINITE_VAR}=1 to check it)"
     print(f"finite values: {state}; every floating argument a guarded write stores (K, V, MLA's parts, scales) "
           f"is checked for NaN and Inf, on GPU tensors for {', '.join(VALUE_DTYPES)} "

@@ -18,7 +18,7 @@ import torch
 
 from ..model.config import Mode
 from ..model.log import logger
-from ..model.targets import VALUE_DTYPES
+from ..model.finite import VALUE_DTYPES
 from ..probes import device, valuekernel
 from ..probes.record import Record, fold_host
 from ..probes.values import is_value, scan_values

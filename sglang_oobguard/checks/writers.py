@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..model.finite import WRITER_VALUES
 from ..model.targets import Writer
 from ..model.violation import site_id
 from ..probes import device
@@ -46,6 +47,7 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
     per_row_default = None if writer.per_row is None else \
         inspect.signature(function).parameters[writer.per_row[1]].default
     holders: dict[tuple[torch.device, int], WriterSite] = {}
+    stored_at = WRITER_VALUES.get(writer.function, ())  # the arguments whose values it stores
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         pending = None
@@ -64,9 +66,9 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
                                                                  slots=False)
                 if checked is not loc:
                     args, kwargs = replaced(args, kwargs, ids_at, ids_name, given, checked)
-                if holder is not None and guard.config.finite and writer.values:
+                if holder is not None and guard.config.finite and stored_at:
                     pending = values.check_values(guard, holder, site, loc, bound, lambda: -1,
-                                                  values.parts(writer.values, args, kwargs))
+                                                  values.parts(stored_at, args, kwargs))
                 values.before_write(guard, pending)
         except KVOutOfBoundsError:
             raise

@@ -217,10 +217,6 @@ class Writer:
     rows: tuple[int, str]  # the argument whose rows the ids index: the bound is its shape[0] ...
     label: str
     per_row: Optional[tuple[int, str]] = None  # ... times this argument (ids per row: a page's tokens)
-    # The arguments whose values it stores (SGLANG_OOBGUARD_FINITE checks them); () where the
-    # stored values are made inside the kernel from nothing the guard sees.
-    values: tuple[tuple[int, str], ...] = ()
-    unseen: str = ""  # with no values: why (doctor says it)
 
     @property
     def bound(self) -> str:
@@ -235,36 +231,26 @@ FUSED_WRITERS = (
     # The fused RoPE + KV store (Qwen3-MoE, bailing/Ling, LLaDA2, SDAR, ... with bf16 KV on
     # CUDA): the attention backend then runs with save_kv_cache=False, no pool method writes.
     Writer(("sglang.kernels.ops.attention.rope", "sglang.jit_kernel.rope"), "apply_rope_inplace_with_kvcache",
-           Ids(7, ("out_loc",)), (3, "k_cache"), "apply_rope_inplace_with_kvcache (fused RoPE + KV store)",
-           values=((1, "k"), (2, "v"))),  # RoPE rotates K: a NaN or Inf stays one
+           Ids(7, ("out_loc",)), (3, "k_cache"), "apply_rope_inplace_with_kvcache (fused RoPE + KV store)"),
     # trtllm_mha with FP8 KV (the SM100 default then): imported inside the backend's method,
     # so looked up in its own module at every call.
     Writer(("sglang.kernels.ops.kvcache.fused_fp8_qkv_kv_cache",), "fused_fp8_qkv_kv_cache",
-           Ids(5, ("cache_loc",)), (3, "k_cache"), "fused_fp8_qkv_kv_cache (trtllm_mha FP8 K/V store)",
-           values=((1, "k"), (2, "v"), (6, "k_scale"), (7, "v_scale"))),
+           Ids(5, ("cache_loc",)), (3, "k_cache"), "fused_fp8_qkv_kv_cache (trtllm_mha FP8 K/V store)"),
     Writer(("sglang.srt.layers.attention.trtllm_mha_backend",), "fused_fp8_set_kv_buffer",  # its 0.5.10 - 0.5.12 form
-           Ids(4, ("cache_loc",)), (2, "k_cache"), "fused_fp8_set_kv_buffer (trtllm_mha FP8 K/V store)",
-           unseen="its value arguments were not read from 0.5.10 - 0.5.12 for this check"),
+           Ids(4, ("cache_loc",)), (2, "k_cache"), "fused_fp8_set_kv_buffer (trtllm_mha FP8 K/V store)"),
     # The DSA (NSA before 0.5.13) indexer's index-K store, every DeepSeek-V3.2 / GLM-5 layer:
     # token ids into a buffer of pages.
     Writer(_DSA_INDEXER, "fused_store_index_k_cache", Ids(2, ("out_cache_loc",)), (1, "index_k_with_scale"),
-           "fused_store_index_k_cache (DSA indexer K store)", per_row=(3, "page_size"), values=((0, "key"),)),
+           "fused_store_index_k_cache (DSA indexer K store)", per_row=(3, "page_size")),
     Writer(_DSA_INDEXER, "fused_k_indexer_norm_rope_store", Ids(2, ("out_cache_loc",)), (1, "cache"),
-           "fused_k_indexer_norm_rope_store (DSA indexer K norm + RoPE + store)", per_row=(8, "page_size"),
-           unseen="it stores the LayerNorm + RoPE of its input, made inside the kernel"),
+           "fused_k_indexer_norm_rope_store (DSA indexer K norm + RoPE + store)", per_row=(8, "page_size")),
     # trtllm_mla's decode: the KV row scatter fused with the q concat (DeepSeek-V3/R1, Kimi-K2
     # on SM100). Under decode context parallelism the fp8 one takes virtual ids, row * ranks.
     Writer(_TRTLLM_MLA, "set_mla_kv_concat_q", Ids(1, ("loc",)), (0, "kv_buffer"),
-           "set_mla_kv_concat_q (trtllm_mla fused KV scatter)", values=((2, "cache_k_nope"), (3, "cache_k_rope"))),
+           "set_mla_kv_concat_q (trtllm_mla fused KV scatter)"),
     Writer(_TRTLLM_MLA, "set_mla_kv_concat_q_fp8", Ids(1, ("loc",)), (0, "kv_buffer"),
-           "set_mla_kv_concat_q_fp8 (trtllm_mla fused FP8 KV scatter)", per_row=(7, "dcp_world_size"),
-           values=((2, "cache_k_nope"), (3, "cache_k_rope"))),
+           "set_mla_kv_concat_q_fp8 (trtllm_mla fused FP8 KV scatter)", per_row=(7, "dcp_world_size")),
 )
-
-
-# The value dtypes the GPU value check reads (SGLANG_OOBGUARD_FINITE): the model's, compiled
-# at a pool's warm-up; a part of another dtype is left to a WARNING (doctor says so).
-VALUE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def rule_for(class_name: str, method: str) -> Optional[Rule]:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..model.targets import VALUE_DTYPES
+from ..model.finite import VALUE_DTYPES
 from ..model.violation import FINITE_ASSERT, Kind, part_id
 from . import device
 from .kernels import _NO_POS, PROBE_BLOCK, _conclude, _last_of_programs, _launch
