@@ -117,23 +117,18 @@ class Violation:
     # A KV transfer into the pages (PD disaggregation): its bootstrap room and the step it was sent at.
     room: Optional[int] = None
     sent_step: int = -1
-    # A non-finite value (kind "nonfinite"): the argument, head and value; whether its slot is padding slot 0.
-    part: Optional[str] = None  # the write's argument that held it: cache_k, cache_v, cache_k_rope, k_scale, ...
-    head: Optional[int] = None
-    element: Optional[str] = None  # "nan", "+inf" or "-inf"
-    padding: Optional[bool] = None  # the slot is padding slot 0 (how sglang #36207 starts)
+    part: Optional[str] = None  # kind "nonfinite": the argument that held it (cache_k, cache_v, k_scale, ...),
+    head: Optional[int] = None  # its head,
+    element: Optional[str] = None  # "nan", "+inf" or "-inf",
+    padding: Optional[bool] = None  # and whether its slot is padding slot 0 (how sglang #36207 starts)
 
     @classmethod
     def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
         """A pool's record (record.Record), as the report names it; `where`: the step
         and request fields."""
-        values = {}
-        if record.kind == Kind.NONFINITE:
-            values = {"part": part_name(record.part), "head": None if record.head < 0 else record.head,
-                      "element": ELEMENTS[record.elem], "padding": None if record.value < 0 else record.value == 0}
         return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
                    record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
-                   Kind(record.kind).name.lower(), **{"expected": record.expected, **values, **where})
+                   Kind(record.kind).name.lower(), **{"expected": record.expected, **_value_fields(record), **where})
 
     def as_dict(self) -> dict[str, Any]:
         """The report file's JSON object."""
@@ -156,7 +151,7 @@ class Violation:
         at = f"{name}[{self.pos}] = {self.value}"
         more = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
         if self.kind == "nonfinite":
-            return self._nonfinite()
+            return _nonfinite(self)
         if self.kind == "bounds" or not 0 <= self.value < self.high:
             return f"{self.bad} of {self.numel} slot ids outside [0, {self.high}): {at}"
         if self.kind in ("freed", "double_free"):
@@ -180,16 +175,6 @@ class Violation:
         if self.kind == "shared_row":
             return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
         return f"{at} is owned by another running request{held}{more}"
-
-    def _nonfinite(self) -> str:
-        """A non-finite value: the argument, the token and its slot, the head."""
-        where = f"{self.part}"
-        if self.pos >= 0:
-            slot = "padding slot 0" if self.padding else f"slot {self.value}"
-            where += f" of loc[{self.pos}] ({slot})"
-        if self.head is not None:
-            where += f" head {self.head}"
-        return f"{where} is {self.element}, not finite ({self.bad} non-finite values written)"
 
     def context(self) -> str:
         """Where in serving it happened, when known: step, mode, batch, the writing request, ranks."""
@@ -228,6 +213,24 @@ class Violation:
 # so a pool's warm-up compiles one variant per value dtype, not per site.
 FINITE_ASSERT = ("sglang_oobguard: a KV write stores NaN or Inf (SGLANG_OOBGUARD_FINITE); "
                  "rerun with SGLANG_OOBGUARD_MODE=raise for the site, layer, slot and request")
+
+
+def _value_fields(record: Any) -> dict[str, Any]:
+    """A non-finite value's fields, from its record (none for another kind)."""
+    if record.kind != Kind.NONFINITE:
+        return {}
+    return {"part": part_name(record.part), "head": None if record.head < 0 else record.head,
+            "element": ELEMENTS[record.elem], "padding": None if record.value < 0 else record.value == 0}
+
+
+def _nonfinite(v: Violation) -> str:
+    """A non-finite value, in words: the argument, the token and its slot, the head."""
+    where = f"{v.part}"
+    if v.pos >= 0:
+        where += f" of loc[{v.pos}] ({'padding slot 0' if v.padding else f'slot {v.value}'})"
+    if v.head is not None:
+        where += f" head {v.head}"
+    return f"{where} is {v.element}, not finite ({v.bad} non-finite values written)"
 
 
 def assert_text(site: int, bound: str, liveness: bool) -> str:
