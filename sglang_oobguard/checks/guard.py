@@ -15,8 +15,9 @@ from ..model.config import Backend, Config, Mode
 from ..model.discover import Found
 from ..model.log import logger
 from ..model.targets import POOL_IDS
-from ..model.violation import Violation, assert_text, free_param, site_id
-from ..probes import device
+from ..model import callsite
+from ..model.violation import Kind, Violation, assert_text, free_param, site_id
+from ..probes import device, shadow
 from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from ..probes.record import Record, fold_host
 from ..report.reporter import Reporter
@@ -106,6 +107,7 @@ class Guard:
         if state.record.unreported(record):
             assert record is not None
             fields = {} if free_param(record.site) else self.steps.where(record)
+            fields.update(history(state, record))
             self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **{**fields, **where}),
                                   fatal=self.config.mode is not Mode.WARN)
 
@@ -139,3 +141,20 @@ class Guard:
         if self.first_time(f"internal {where}"):
             logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
                          where, type(exc).__name__, exc)
+
+
+def history(state: PoolState, record: Record) -> dict[str, Any]:
+    """The Violation fields of the reported slot's history (its last allocation and
+    free, its generation), read when the report is made; {} when liveness does not
+    track the pool or the id is outside it."""
+    live = state.live
+    if live is None or record.kind == Kind.BOUNDS or not 0 <= record.value < record.high:
+        return {}
+    page = record.value if free_param(record.site) == "page_ids" else record.value // live.page
+    told = shadow.story(live, page)
+    if told is None:
+        return {}
+    generation, allocated, freed, _ = told
+    (allocated_step, allocated_by), (freed_step, freed_by) = callsite.unpack(allocated), callsite.unpack(freed)
+    return {"generation": generation, "allocated_step": allocated_step, "allocated_by": callsite.text(allocated_by),
+            "freed_step": freed_step, "freed_by": callsite.text(freed_by)}

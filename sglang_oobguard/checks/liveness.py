@@ -6,7 +6,9 @@ shadow (`shadow.Live`, one flag per page of the allocator's own id space): `clea
 starts it (every allocator's constructor calls clear), the alloc methods set the
 flags of the ids they return, a free that really gives ids back (not one a free
 group holds) is checked, every id must be live, and then clears them. The write
-probes and the step check read the same shadow.
+probes and the step check read the same shadow. Each call also writes its slots'
+history (generation, step and call site: `shadow.Live.history`), the call site
+interned from the caller's frames on the host (`model.callsite`).
 
 On a GPU every shadow update is ordered after the write probes already enqueued on
 the forward stream (sglang allocates and frees on its scheduling stream), so a free
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..model import callsite
 from ..model.config import Mode
 from ..model.discover import AllocatorMethod, base_class
 from ..model.log import logger
@@ -46,8 +49,9 @@ class _Call:
     """One allocator call: the wrapped method and its arguments, which a free's
     containment may replace (warn mode on the host: only the live ids go back)."""
 
-    def __init__(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    def __init__(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict, event: int) -> None:
         self.wrapped, self.args, self.kwargs = wrapped, args, kwargs
+        self.event = event  # callsite.pack(step, site): the slots' history entry
 
     @property
     def ids(self) -> Any:
@@ -67,7 +71,7 @@ class _Call:
 def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
     result = call()
     if isinstance(result, torch.Tensor) and state.live is not None:
-        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result)))
+        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result, call.event)))
     return result
 
 
@@ -97,7 +101,7 @@ def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: _C
 def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call, in_pages: bool) -> Any:
     ids = call.ids
     if isinstance(ids, torch.Tensor) and ids.numel() and _releases_now(allocator):
-        contained = _checked(guard, lambda: check_free(guard, state, site, ids, in_pages))
+        contained = _checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event))
         if contained is not None:
             call.ids = contained
     return _counted(guard, allocator, "free", call)
@@ -106,7 +110,7 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call
 def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: _Call) -> Any:
     group = getattr(allocator, "free_page_ids_group", None) or []
     for i, page_ids in enumerate(group):
-        contained = _checked(guard, lambda: check_free(guard, state, site, page_ids, True))
+        contained = _checked(guard, lambda: check_free(guard, state, site, page_ids, True, call.event))
         if contained is not None:
             group[i] = contained
     return _counted(guard, allocator, "group", call)
@@ -143,8 +147,10 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         state: Optional[PoolState] = instance.__dict__.get(LIVE_ATTR)
         if state is None or state.live is None:
             return wrapped(*args, **kwargs)
+        label = f"{type(instance).__name__}.{method}"
+        event = callsite.pack(guard.steps.number, callsite.here(label))  # the caller's frames, interned
         return HANDLERS[role](guard, instance, state, free_site(method, role, type(instance)),
-                              _Call(wrapped, args, kwargs))
+                              _Call(wrapped, args, kwargs, event))
 
     return wrapper
 
@@ -194,7 +200,8 @@ def _checked(guard: Guard, work: Callable[[], Optional[torch.Tensor]]) -> Option
         return None
 
 
-def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool) -> Optional[torch.Tensor]:
+def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool,
+               event: int = callsite.NONE) -> Optional[torch.Tensor]:
     """Check one real free against the shadow (every id live, none twice where each
     id owns its flag), then clear the flags of what it gives back. `in_pages`: the
     ids are page ids. Returns the ids to free instead, when warn mode contains a bad
@@ -210,14 +217,14 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         if finding is not None:  # strict and raise: raised before the allocator took the ids
             guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True))
             contained = hostscan.live_only(ids, high, live)
-        shadow.release(live, ids)
+        shadow.release(live, ids, event)
         return contained
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT
     kernels.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
                         guard.message(site) if strict and device.is_gpu(ids) else None)
     if live.owner is not None:
-        device.enqueue(shadow.release, live, ids)  # the owners (the kernel cleared the flags)
+        device.enqueue(shadow.release, live, ids, event)  # the owners and history (the kernel cleared the flags)
     guard.launched(state)
     return None
 

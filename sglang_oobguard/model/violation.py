@@ -26,6 +26,13 @@ class Kind(enum.IntEnum):
     DUPLICATE = 4  # the same slot written by two tokens of one forward step
     SHARED_ROW = 5  # two requests of one forward step share a req_to_token row
     OWNED = 6  # written by one request while another running request owns the slot (liveness)
+    READ_FREED = 7  # a running request reads a slot that was given back under it (read check)
+    READ_REUSED = 8  # ... a slot given back and handed out again under it (read check)
+    REPOINTED = 9  # a running request's req_to_token entry, already read, now names another slot (read check)
+    NOT_STEP = 10  # a write with ids of its own (not the step's out_cache_loc) into a slot no token of the step writes
+
+
+READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kinds, by name
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -91,6 +98,13 @@ class Violation:
     expected: int = -1  # the token's own slot per req_to_token (-1: not checked)
     owner: Optional[str] = None  # the request that holds the slot: its rid, or "req_to_token row R"
     owner_token: Optional[int] = None  # the position at which the owner holds the slot
+    # The slot's history (liveness on): its generation and its last allocation and free.
+    generation: int = -1  # the serial of the allocator call that last handed it out (-1: not tracked)
+    allocated_step: int = -1
+    allocated_by: Optional[str] = None  # the call site: "caller (file:line) > ... > Allocator.method"
+    freed_step: int = -1
+    freed_by: Optional[str] = None
+    read_generation: int = -1  # read check: the generation the reader first saw at that position
 
     @classmethod
     def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
@@ -127,7 +141,33 @@ class Violation:
             return f"{at} is written by two tokens of this forward step{held}{more}"
         if self.kind == "shared_row":
             return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
+        if self.kind in READ_KINDS:
+            return self._read() + held + more
+        if self.kind == "not_step":
+            return f"{at} is not a slot this forward step's tokens write (ids of the writer's own){held}{more}"
         return f"{at} is owned by another running request{held}{more}"
+
+    def _read(self) -> str:
+        """The read check's finding: `pos` is the position read, `value` its slot."""
+        at = f"slot {self.value} at position {self.pos}"
+        if self.kind == "read_freed":
+            return f"{at} is read by its running request but was given back (freed)"
+        if self.kind == "read_reused":
+            return (f"{at} is read by its running request but was given back and handed out again "
+                    f"(generation {self.read_generation} -> {self.generation})")
+        return f"{at} was read before as another slot: the running request's entry was repointed"
+
+    def history(self) -> str:
+        """The slot's last free and allocation, when liveness tracked them."""
+        parts = []
+        if self.freed_step >= 0 or self.freed_by:
+            parts.append(f"freed at step {self.freed_step} by {self.freed_by or 'an unknown call'}")
+        if self.allocated_step >= 0 or self.allocated_by:
+            parts.append(f"allocated at step {self.allocated_step} by {self.allocated_by or 'an unknown call'}")
+        if not parts:
+            return ""
+        return f"slot {self.value} last " + ", last ".join(parts) + (
+            f" (generation {self.generation})" if self.generation >= 0 else "")
 
     def context(self) -> str:
         """Where in serving it happened, when known: step, mode, batch, the writing request, ranks."""
@@ -146,8 +186,8 @@ class Violation:
 
     def described(self) -> str:
         """The one-line report: the violation, its pool, and where in serving."""
-        context = self.context()
-        return f"{self} (pool {self.pool})" + (f"; {context}" if context else "")
+        context, history = self.context(), self.history()
+        return f"{self} (pool {self.pool})" + (f"; {context}" if context else "") + (f"; {history}" if history else "")
 
     def contained(self) -> str:
         """What warn mode did about it, in words."""
