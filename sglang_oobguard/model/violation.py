@@ -142,20 +142,10 @@ class Violation:
         if self.kind == "shared_row":
             return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
         if self.kind in READ_KINDS:
-            return self._read() + held + more
+            return _read(self) + held + more
         if self.kind == "not_step":
             return f"{at} is not a slot this forward step's tokens write (ids of the writer's own){held}{more}"
         return f"{at} is owned by another running request{held}{more}"
-
-    def _read(self) -> str:
-        """The read check's finding: `pos` is the position read, `value` its slot."""
-        at = f"slot {self.value} at position {self.pos}"
-        if self.kind == "read_freed":
-            return f"{at} is read by its running request but was given back (freed)"
-        if self.kind == "read_reused":
-            return (f"{at} is read by its running request but was given back and handed out again "
-                    f"(generation {self.read_generation} -> {self.generation})")
-        return f"{at} was read before as another slot: the running request's entry was repointed"
 
     def history(self) -> str:
         """The slot's last free and allocation, when liveness tracked them."""
@@ -194,6 +184,18 @@ class Violation:
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
         return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
+
+
+
+def _read(self: Violation) -> str:  # a Violation's text, kept out of its class
+    """The read check's finding: `pos` is the position read, `value` its slot."""
+    at = f"slot {self.value} at position {self.pos}"
+    if self.kind == "read_freed":
+        return f"{at} is read by its running request but was given back (freed)"
+    if self.kind == "read_reused":
+        return (f"{at} is read by its running request but was given back and handed out again "
+                f"(generation {self.read_generation} -> {self.generation})")
+    return f"{at} was read before as another slot: the running request's entry was repointed"
 
 
 def assert_text(site: int, bound: str, liveness: bool) -> str:
