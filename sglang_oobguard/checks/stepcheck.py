@@ -15,6 +15,7 @@ releases of the matrix). Wrapping it gives the guard a step boundary:
   one forward and sglang's own tensor (never changed) is bound back after it: sglang
   0.5.23 copies the batch into its runner's buffers before any layer writes, so this
   is the one way the contained ids reach every writer of the step;
+- with liveness on, every slot each request of the batch reads is checked (`reads`);
 - the step is numbered and its batch remembered (`steps`), so a report read later
   names the request and the token.
 """
@@ -28,7 +29,7 @@ import torch
 from ..model.targets import POOL_IDS
 from ..probes import device
 from ..report.reporter import KVOutOfBoundsError
-from . import stepmap
+from . import reads, stepmap
 from .guard import Guard
 from .writes import check_write
 
@@ -48,6 +49,14 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
         return None
     high = POOL_IDS.high(pool)
+    passed = _check_writes(guard, runner, batch, pool, loc, high, capturing)
+    if guard.config.liveness and not capturing:  # after the owner claims of this step's writes
+        reads.check_reads(guard, runner, batch, pool, high)
+    return passed
+
+
+def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int,
+                  capturing: bool) -> Optional[torch.Tensor]:
     mapped = None if capturing else stepmap.check_step(guard, runner, batch, pool, high)  # a capture: no host values
     if mapped is None:  # bounds and liveness alone
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)

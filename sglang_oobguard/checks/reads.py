@@ -1,0 +1,92 @@
+"""Reads: the read check of each forward step (on with liveness).
+
+Every request of a step reads its whole `req_to_token[row, 0:seq_len]`: a slot that
+was freed, or freed and handed to another request, while its request still reads it
+is read silently (a radix prefix evicted under a running request, a transfer over a
+live slot). At each step boundary, after the step check (whose owner claims it
+reads), `readmap.check_reads` checks every slot read against the liveness shadow and
+its history, and the report names the reader, the position, the new holder and the
+slot's history.
+
+The host path serves CPU tensors. The draft model runner of speculative decoding
+shares the target's req_to_token and is not checked twice; a forward with
+out_cache_loc_virtual (req_to_token in another id space), a batch without request
+ids (a row's new holder cannot be told apart), a CUDA tensor and a graph capture are
+skipped, each said once in the log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..model.log import logger
+from ..model.violation import Kind, site_id
+from ..probes import readmap
+from ..probes.record import Record
+from . import owners
+from .guard import Guard
+
+READ_LABEL = "req_to_token (read check)"
+SEEN_ATTR = "_oobguard_reads"  # on a PoolState: its readmap.Seen
+EXTENDS = ("extend", "mixed")  # forwards that map a request's prefix anew
+
+
+def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> None:
+    """The read check of one step: reports (and raises, unless warn) the first slot
+    read that its reader no longer holds."""
+    if getattr(runner, "is_draft_worker", False):
+        return
+    table = getattr(getattr(runner, "req_to_token_pool", None), "req_to_token", None)
+    rows, lens = getattr(batch, "req_pool_indices", None), getattr(batch, "seq_lens_cpu", None)
+    if lens is None:
+        lens = getattr(batch, "seq_lens", None)
+    size = int(getattr(batch, "batch_size", 0) or 0)
+    if not size or not all(isinstance(t, torch.Tensor) for t in (table, rows, lens)):
+        return
+    state = guard.state(pool, table.device)
+    if state.live is None:
+        return
+    why = _skipped(guard, table, batch)
+    if why:
+        if guard.first_time(f"read check skipped: {why}"):
+            logger.warning("sglang_oobguard: read check skipped for %s", why)
+        return
+    seen = state.__dict__.get(SEEN_ATTR)
+    if seen is None or not seen.fits(table):
+        seen = state.__dict__[SEEN_ATTR] = readmap.Seen(*table.shape)
+    rows_np = rows[:size].numpy().astype(np.int64)
+    rids = list(batch.rids)[:size]
+    readmap.forget_changed_holders(seen, rows_np.tolist(), rids)
+    mode = getattr(getattr(batch, "forward_mode", None), "name", "").lower()
+    finding = readmap.check_reads(seen, table.numpy(), rows_np, lens[:size].numpy().astype(np.int64),
+                                  mode in EXTENDS, state.live, high)
+    if finding is not None:
+        _report(guard, state, table, rows_np, rids, finding, high)
+
+
+def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
+    """Why this step's reads are not checked, or ""."""
+    if not guard.on_host(table):
+        return "req_to_token on a GPU (the host path only, so far)"
+    if getattr(batch, "out_cache_loc_virtual", None) is not None:
+        return "forwards with out_cache_loc_virtual (req_to_token holds virtual ids)"
+    if getattr(batch, "rids", None) is None:
+        return "batches without request ids (sglang before 0.5)"
+    return ""
+
+
+def _report(guard: Guard, state: Any, table: torch.Tensor, rows: np.ndarray, rids: list,
+            finding: readmap.ReadFinding, high: int) -> None:
+    record = Record(finding.bad, 1, site_id(READ_LABEL), -1, high, finding.bad, finding.numel, finding.position,
+                    finding.slot, guard.steps.number, finding.kind, finding.row, -1, finding.owner)
+    where: dict[str, Any] = {"request": str(rids[finding.row]), "token": finding.position,
+                             "read_generation": finding.seen}
+    if finding.kind != Kind.READ_FREED:  # a freed slot has no holder (a stale row may still name it)
+        found = owners.find_owner(table, rows.tolist(), rids, finding.slot, prefer=finding.owner,
+                                  skip=(int(rows[finding.row]), finding.position))
+        if found is not None:
+            where["owner"], where["owner_token"] = found
+    guard.report_now(state, record, **where)

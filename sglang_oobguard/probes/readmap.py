@@ -1,0 +1,112 @@
+"""Read map: the read check of one step on the host (every slot each request reads).
+
+Attention reads every slot of `req_to_token[row, 0:seq_len]` of every request in the
+batch. A slot freed under its reader, or freed and handed to another request, is read
+silently: the write checks never see it (the new holder writes its own slot
+correctly). So per (row, position) the guard keeps the slot and the generation it
+saw when this request first held that position (`Seen`), and at each step, for every
+position read (flat, vectorized over sum(seq_lens)):
+
+- READ_FREED: the slot's page is not handed out (any position read);
+- REPOINTED: a position already read names another slot now (not in an extend,
+  which maps a prefix anew: radix matches, chunked prefill's dedup, re-admission
+  after retraction);
+- READ_REUSED: the same slot, handed out again since (its generation changed), and
+  its owner (the write map's owner table) is not this request's row; a slot the
+  request itself was given again (spec decoding's rolled-back positions) passes.
+
+A position is new to its request when it lies past what the row's request had read
+at its last step (`checked`, reset when the row holds another request): its slot is
+then only required to be live. Radix-shared prefixes are read by many rows at once,
+each with its own copy of the generation: they raise nothing.
+
+On a GPU the same contract is one launch over the flat (row, position) grid, with
+`Seen` in device memory: see docs/design.md (the read check).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from .record import Kind
+from .shadow import GEN, Live
+
+
+class Seen:
+    """What the read check remembers per (req_to_token row, position), host arrays."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        self.slot = np.full((rows, cols), -1, dtype=np.int64)  # the slot read there last
+        self.gen = np.zeros((rows, cols), dtype=np.int64)  # its generation when first read there
+        self.checked = np.zeros(rows, dtype=np.int64)  # positions the row's request has read
+        self.holder: list[object] = [None] * rows  # the request (rid) the row was checked for
+
+    def fits(self, table: torch.Tensor) -> bool:
+        return self.slot.shape == tuple(table.shape)
+
+
+class ReadFinding(NamedTuple):
+    kind: int  # Kind.READ_FREED, READ_REUSED or REPOINTED
+    bad: int  # positions read wrong in this step
+    numel: int  # positions read
+    row: int  # the reader's index in the batch
+    position: int  # the position read
+    slot: int
+    seen: int  # the generation the reader first saw there (READ_REUSED), else -1
+    owner: int  # the owner table's row of the slot (liveness), -1 none
+
+
+def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarray, extend: bool, live: Live,
+                high: int) -> Optional[ReadFinding]:
+    """Check one step's reads (rows: req_pool_indices, lens: seq_lens, host int64
+    arrays of the batch's real requests) and remember them. None when clean."""
+    total = int(lens.sum())
+    if not total:
+        return None
+    ncols = table.shape[1]
+    lens = np.minimum(lens, ncols)
+    total = int(lens.sum())
+    reader = np.repeat(np.arange(rows.size), lens)
+    position = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    flat = np.repeat(rows, lens) * ncols + position
+    slots = table.reshape(-1).take(flat).astype(np.int64, copy=False)
+    page = live.page
+    inside = (slots >= page) & (slots < high)  # padding slot 0 and bad ids: the write checks' (bounds)
+    pages = np.where(inside, slots // page, 0)
+    alive = live.flags.numpy().take(pages) != 0
+    history = live.history
+    gen = history[GEN].numpy().take(pages) if history is not None else np.zeros_like(pages)
+    seen_slot, seen_gen = seen.slot.reshape(-1), seen.gen.reshape(-1)
+    old = position < np.repeat(seen.checked[rows], lens)
+    before, first_gen = seen_slot.take(flat), seen_gen.take(flat)
+    changed = before != slots
+    freed = inside & ~alive
+    repointed = np.zeros_like(freed) if extend else inside & old & changed
+    reused = inside & alive & old & ~changed & (gen != first_gen)
+    if reused.any():  # the request's own slot given again (a rolled-back position) passes
+        owner = live.owner.numpy().take(pages) if live.owner is not None else np.zeros_like(pages)
+        reused &= owner != np.repeat(rows, lens) + 1
+    bad = freed | repointed | reused
+    seen_slot[flat] = slots
+    seen_gen[flat] = gen  # a position reported is reported once, then read as it is now
+    seen.checked[rows] = lens
+    if not bad.any():
+        return None
+    at = int(np.argmax(bad))
+    kind = Kind.READ_FREED if freed[at] else Kind.REPOINTED if repointed[at] else Kind.READ_REUSED
+    owner_row = int(live.owner[int(pages[at])]) - 1 if live.owner is not None else -1
+    return ReadFinding(int(kind), int(bad.sum()), total, int(reader[at]), int(position[at]), int(slots[at]),
+                       int(first_gen[at]) if kind == Kind.READ_REUSED else -1, owner_row)
+
+
+def forget_changed_holders(seen: Seen, rows: list[int], holders: list[object]) -> None:
+    """A row handed to another request starts over: nothing of it read yet. (A
+    request retracted and admitted again on its old row comes back in an extend,
+    which may map its positions anew.)"""
+    for row, holder in zip(rows, holders):
+        if seen.holder[row] != holder:
+            seen.holder[row] = holder
+            seen.checked[row] = 0

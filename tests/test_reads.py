@@ -1,0 +1,143 @@
+"""The read check (on with liveness), inside the forward step: sglang's ModelRunner.forward
+with the guard's hook, its real ForwardBatch, ReqToTokenPool, KV pool and token
+allocator, on the CPU. A slot a running request still reads that was freed, freed and
+handed to another request, or whose req_to_token entry was repointed, is reported at
+the first step that reads it, naming the reader, the position, the new holder and the
+slot's history; shared prefixes, a row's new request and a request's own slot given
+back and handed to it again (spec decoding's rolled-back positions) raise nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import mha, token_allocator
+from sglang_oobguard import KVOutOfBoundsError
+from test_stepmap import decode, runner  # noqa: F401  (the fixture)
+
+
+@pytest.fixture
+def engine(mp, guard, runner):  # noqa: F811
+    """Strict, liveness on; a runner over a real pool and its real allocator, the table empty."""
+    from sglang.srt.mem_cache import allocator
+
+    guard("strict", liveness=True)
+    pool = mha(mp, 64)
+    alloc = token_allocator(allocator, pool)
+    run, _ = runner(pool)
+    run.req_to_token_pool.req_to_token.zero_()
+    return run, alloc
+
+
+def admit(run, alloc, row: int, n: int, prefix: torch.Tensor = None) -> torch.Tensor:
+    """A request on `row`: `prefix` (shared slots) then n new slots, as sglang's prefill maps them."""
+    table = run.req_to_token_pool.req_to_token
+    new = alloc.alloc(n)
+    slots = new if prefix is None else torch.cat([prefix, new])
+    table[row, :slots.numel()] = slots.to(table.dtype)
+    return slots
+
+
+def step(run, alloc, lens: dict, rids: dict = None):
+    """One decode step: each row (row -> its seq_len after this step) gets a new slot."""
+    table = run.req_to_token_pool.req_to_token
+    for row, n in lens.items():
+        table[row, n - 1] = int(alloc.alloc(1)[0])
+    batch = decode(run, rows=tuple(lens), seq_lens=tuple(lens.values()))
+    if rids:
+        batch.rids = [rids.get(row, f"r{row}") for row in lens]
+    return run.forward(batch)
+
+
+def hand_out(alloc, wanted: torch.Tensor) -> torch.Tensor:
+    """The allocator hands out `wanted` (freed slots) again: everything free is taken, the rest given back."""
+    every = alloc.alloc(alloc.available_size())
+    keep = torch.isin(every, wanted.long())
+    alloc.free(every[~keep])
+    return every[keep]
+
+
+def evict(alloc, slots):
+    """Stands for a radix eviction under a running request: the frame the report must name."""
+    alloc.free(slots)
+
+
+def test_shared_prefixes_new_holders_and_a_requests_own_slot_again_raise_nothing(engine, caplog):
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    admit(run, alloc, 2, 2, prefix[:3])  # row 2 reads row 1's first 3 slots
+    for n in range(5, 8):
+        step(run, alloc, {1: n, 2: n})
+    table = run.req_to_token_pool.req_to_token
+    # a rolled-back position: row 1's last slot given back and handed to it again
+    last = table[1, 6:7].long()
+    alloc.free(last)
+    again = hand_out(alloc, last)
+    table[1, 6] = again.to(table.dtype)
+    run.forward(decode(run, rows=(1, 2), seq_lens=(7, 7)))  # row 1 rewrites position 6 (its own, new generation)
+    # row 2 finishes; its row holds a new request with the same prefix slots and fresh ones
+    alloc.free(table[2, 3:7].long())
+    admit(run, alloc, 2, 3, prefix[:3])
+    step(run, alloc, {1: 8, 2: 7}, rids={2: "next"})
+    assert "internal error" not in caplog.text and "read check skipped" not in caplog.text
+
+
+def test_a_prefix_slot_freed_and_handed_to_another_request_is_read_at_the_next_step(engine):
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[:2])  # the fault: row 1 still reads them
+    taken = hand_out(alloc, prefix[:2])  # another request is handed them
+    run.req_to_token_pool.req_to_token[3, :2] = taken.to(torch.int32)
+    run.forward(_extend(run, 3, taken))  # the new holder writes them: it owns them now
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6, 3: 3})
+    v = info.value.violation
+    assert (v.kind, v.request, v.owner, v.label) == ("read_reused", "r1", "r3", "req_to_token (read check)")
+    assert v.token in (0, 1) and v.value == int(prefix[v.token]) and v.owner_token is not None
+    assert v.freed_by.endswith("> evict (test_reads.py:62) > TokenToKVPoolAllocator.free"), v.freed_by
+    assert v.allocated_by.endswith("> hand_out (test_reads.py:54) > TokenToKVPoolAllocator.alloc") and v.read_generation < v.generation
+    text = str(info.value)
+    assert f"slot {v.value} at position {v.token} is read by its running request but was given back and handed " \
+           "out again" in text and "slot %d is held by request r3" % v.value in text
+    assert "; request r1 token" in text and "last freed at step" in text
+
+
+def test_a_slot_freed_under_its_reader_is_read_freed(engine):
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[2:3])
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6})
+    v = info.value.violation
+    assert (v.kind, v.request, v.token, v.value, v.owner) == ("read_freed", "r1", 2, int(prefix[2]), None)
+    assert "evict (test_reads.py:" in v.freed_by
+
+
+def test_a_repointed_entry_is_caught(engine):
+    """upstream's req_to_token perturbation: a live entry repointed to another request's slot."""
+    run, alloc = engine
+    admit(run, alloc, 1, 4)
+    other = admit(run, alloc, 2, 4)
+    step(run, alloc, {1: 5, 2: 5})
+    run.req_to_token_pool.req_to_token[1, 1] = int(other[3])
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6, 2: 6})
+    v = info.value.violation
+    assert (v.kind, v.request, v.token, v.value, v.owner, v.owner_token) == ("repointed", "r1", 1, int(other[3]),
+                                                                             "r2", 3)
+
+
+def _extend(run, row: int, slots: torch.Tensor):
+    """An extend of `slots` as row's whole prompt (prefix 0)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    n = slots.numel()
+    batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.zeros(n, dtype=torch.int64),
+                         req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([n]), out_cache_loc=slots.long(),
+                         seq_lens_sum=n, extend_seq_lens=torch.tensor([n]), extend_prefix_lens=torch.tensor([0]),
+                         extend_start_loc=torch.tensor([0]))
+    batch.seq_lens_cpu, batch.rids = torch.tensor([n]), [f"r{row}"]
+    batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu = [n], [0]
+    return batch
