@@ -92,6 +92,7 @@ def test_radix_shared_prefixes_chunks_and_eviction_raise_nothing_with_the_owner_
     assert run.result["outputs"] == radix_clean
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     assert "write map not checked" not in run.log  # extend, mixed and decode all mapped
+    assert "read check skipped" not in run.log and "internal error" not in run.log  # every step's reads checked
     assert_radix_reused(run)
     tally = run.tally(rank=0)
     assert tally["probes"] >= tally["steps"] > 0, tally  # the step check ran every forward

@@ -141,3 +141,36 @@ def _extend(run, row: int, slots: torch.Tensor):
     batch.seq_lens_cpu, batch.rids = torch.tensor([n]), [f"r{row}"]
     batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu = [n], [0]
     return batch
+
+
+def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard, runner, monkeypatch):  # noqa: F811
+    """Item 4: a writer that computes its own ids (not the step's out_cache_loc) and targets
+    another running request's slot at layer 1 is caught at that write, the holder named;
+    the same values in a tensor of its own pass."""
+    from helpers import Layer, model_runner_class
+
+    guard("strict")
+    pool = mha(mp)
+    run, _ = runner(pool)
+    target = int(run.req_to_token_pool.req_to_token[2, 0])  # r2's first token's slot
+    hooked = model_runner_class().__dict__["forward"]
+    layers_seen = []
+
+    def layers(self, batch, *args, **kwargs):
+        k = torch.ones(batch.out_cache_loc.numel(), 2, 4)
+        for layer in range(2):
+            own = batch.out_cache_loc.clone()  # ids of the writer's own: the same values
+            if layer == 1 and batch.batch_size == 3:
+                own[0] = target
+            self.token_to_kv_pool.set_kv_buffer(Layer(layer), own, k, k)
+            layers_seen.append(layer)
+        return "output"
+
+    monkeypatch.setattr(hooked, "__wrapped__", layers)
+    run.forward(decode(run, rows=(1,), seq_lens=(5,)))  # clean: its own copy of the step's slots
+    with pytest.raises(KVOutOfBoundsError) as info:
+        run.forward(decode(run))
+    v = info.value.violation
+    assert (v.kind, v.layer, v.value, v.owner, v.owner_token) == ("not_step", 1, target, "r2", 0)
+    assert "is not a slot this forward step's tokens write" in str(info.value)
+    assert layers_seen == [0, 1, 0]  # the bad write never ran

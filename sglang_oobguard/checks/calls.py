@@ -30,3 +30,4 @@ class CallState(threading.local):
         # whether that is a copy in the pool's buffer).
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.capturing = False  # the memo belongs to a graph capture
+        self.step_ids: Any = None  # the step's mapped ids (ownids.StepIds), for writes with ids of their own

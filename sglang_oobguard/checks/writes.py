@@ -22,6 +22,7 @@ from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
+from . import ownids
 from .guard import Guard
 
 
@@ -98,6 +99,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     head_at, head_name = specs[0][1], specs[0][2]
     lens_at = found.rule.lens
     calls = guard.calls
+    single = len(specs) == 1  # a write (a move has two id parameters: not a step's token write)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         outer = calls.current
@@ -114,6 +116,8 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     continue
                 checked = check_write(guard, instance, site, param, loc, high(instance),
                                       lambda: _layer_id(args, kwargs, found), lens, slots)
+                if single and slots and calls.step_ids is not None and checked is loc:
+                    ownids.check(guard, instance, site, loc, high(instance), lambda: _layer_id(args, kwargs, found))
                 if checked is not loc:
                     passed = checked if value is loc else dataclasses.replace(value, loc=checked)
                     args, kwargs = replaced(args, kwargs, position, name, given, passed)
