@@ -75,10 +75,14 @@ def test_shared_prefixes_new_holders_and_a_requests_own_slot_again_raise_nothing
     again = hand_out(alloc, last)
     table[1, 6] = again.to(table.dtype)
     run.forward(decode(run, rows=(1, 2), seq_lens=(7, 7)))  # row 1 rewrites position 6 (its own, new generation)
+    # the radix cache's dedup: row 2's own copy of position 3 freed, row 2 repointed to row 1's
+    alloc.free(table[2, 3:4].long())
+    table[2, 3] = table[1, 3]
+    step(run, alloc, {1: 8, 2: 8})
     # row 2 finishes; its row holds a new request with the same prefix slots and fresh ones
-    alloc.free(table[2, 3:7].long())
+    alloc.free(table[2, 4:8].long())
     admit(run, alloc, 2, 3, prefix[:3])
-    step(run, alloc, {1: 8, 2: 7}, rids={2: "next"})
+    step(run, alloc, {1: 9, 2: 7}, rids={2: "next"})
     assert "internal error" not in caplog.text and "read check skipped" not in caplog.text
 
 

@@ -8,9 +8,11 @@ saw when this request first held that position (`Seen`), and at each step, for e
 position read (flat, vectorized over sum(seq_lens)):
 
 - READ_FREED: the slot's page is not handed out (any position read);
-- REPOINTED: a position already read names another slot now (not in an extend,
-  which maps a prefix anew: radix matches, chunked prefill's dedup, re-admission
-  after retraction);
+- REPOINTED: a position already read names another slot now while the slot it
+  named before is still handed out as it was (the radix cache's dedup after a
+  prefill repoints a request to the tree's copy and frees its own: that passes; so
+  does any change in an extend, which maps a prefix anew: radix matches, chunked
+  prefill, re-admission after retraction);
 - READ_REUSED: the same slot, handed out again since (its generation changed), and
   its owner (the write map's owner table) is not this request's row; a slot the
   request itself was given again (spec decoding's rolled-back positions) passes.
@@ -76,15 +78,19 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     page = live.page
     inside = (slots >= page) & (slots < high)  # padding slot 0 and bad ids: the write checks' (bounds)
     pages = np.where(inside, slots // page, 0)
-    alive = live.flags.numpy().take(pages) != 0
-    history = live.history
-    gen = history[GEN].numpy().take(pages) if history is not None else np.zeros_like(pages)
+    flags = live.flags.numpy()
+    alive = flags.take(pages) != 0
+    gen_of = live.history[GEN].numpy() if live.history is not None else np.zeros(flags.size, dtype=np.int64)
+    gen = gen_of.take(pages)
     seen_slot, seen_gen = seen.slot.reshape(-1), seen.gen.reshape(-1)
     old = position < np.repeat(seen.checked[rows], lens)
     before, first_gen = seen_slot.take(flat), seen_gen.take(flat)
     changed = before != slots
     freed = inside & ~alive
     repointed = np.zeros_like(freed) if extend else inside & old & changed
+    if repointed.any():  # the old slot still held as it was: not a dedup (the radix cache frees the duplicate)
+        was = before.clip(0, high - 1) // page
+        repointed &= (before >= page) & (before < high) & (flags.take(was) != 0) & (gen_of.take(was) == first_gen)
     reused = inside & alive & old & ~changed & (gen != first_gen)
     if reused.any():  # the request's own slot given again (a rolled-back position) passes
         owner = live.owner.numpy().take(pages) if live.owner is not None else np.zeros_like(pages)
