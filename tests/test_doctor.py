@@ -42,6 +42,9 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
     assert f"report files: {folder} (writable; summarise with: python -m sglang_oobguard report {folder})" in out
     assert "  TokenToKVPoolAllocator.alloc " in out and "  PagedTokenToKVPoolAllocator.alloc_extend " in out
     assert "liveness not tracked (bound check only): " in out and "SWATokenToKVPoolAllocator" in out
+    assert "  the read check, with liveness: every slot each request reads" in out
+    assert "  slot history, with liveness: each report names the slot's last free and allocation" in out
+    assert "  a layer's write with ids of its own (not the step's out_cache_loc)" in out
     expected = run_python(EXPECTED, {})
     rows = json.loads(expected.stdout.strip().splitlines()[-1])
     assert any(kind == "guarded" for *_, kind in rows)
