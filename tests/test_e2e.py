@@ -13,7 +13,7 @@ import re
 import pytest
 
 from e2e.harness import assert_radix_reused, run_engine
-from sglang_oobguard.report.reporter import summary
+from sglang_oobguard.report import summary
 
 pytestmark = pytest.mark.e2e
 
