@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 from ..model.log import logger
-from ..model.violation import Kind, site_id
+from ..model.violation import site_id
 from ..probes import readmap
 from ..probes.record import Record
-from . import owners
 from .guard import Guard
 
 READ_LABEL = "req_to_token (read check)"
@@ -64,7 +63,7 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
     finding = readmap.check_reads(seen, table.numpy(), rows_np, lens[:size].numpy().astype(np.int64),
                                   mode in EXTENDS, state.live, high)
     if finding is not None:
-        _report(guard, state, table, rows_np, rids, finding, high)
+        _report(guard, state, finding, high)
 
 
 def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
@@ -78,15 +77,8 @@ def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
     return ""
 
 
-def _report(guard: Guard, state: Any, table: torch.Tensor, rows: np.ndarray, rids: list,
-            finding: readmap.ReadFinding, high: int) -> None:
+def _report(guard: Guard, state: Any, finding: readmap.ReadFinding, high: int) -> None:
+    """The record of a host finding; `steps.where` names the reader, the position and the holder."""
     record = Record(finding.bad, 1, site_id(READ_LABEL), -1, high, finding.bad, finding.numel, finding.position,
-                    finding.slot, guard.steps.number, finding.kind, finding.row, -1, finding.owner)
-    where: dict[str, Any] = {"request": str(rids[finding.row]), "token": finding.position,
-                             "read_generation": finding.seen}
-    if finding.kind != Kind.READ_FREED:  # a freed slot has no holder (a stale row may still name it)
-        found = owners.find_owner(table, rows.tolist(), rids, finding.slot, prefer=finding.owner,
-                                  skip=(int(rows[finding.row]), finding.position))
-        if found is not None:
-            where["owner"], where["owner_token"] = found
-    guard.report_now(state, record, **where)
+                    finding.slot, guard.steps.number, finding.kind, finding.row, finding.seen, finding.owner)
+    guard.report_now(state, record)

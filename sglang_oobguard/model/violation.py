@@ -110,9 +110,13 @@ class Violation:
     def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
         """A pool's record (record.Record), as the report names it; `where`: the step
         and request fields."""
+        kind = Kind(record.kind).name.lower()
+        # the read check's record keeps the generation its reader first saw in `expected`
+        seen = {"read_generation": record.expected, "expected": -1} if kind in READ_KINDS else \
+            {"expected": record.expected}
         return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
                    record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
-                   Kind(record.kind).name.lower(), **{"expected": record.expected, **where})
+                   kind, **{**seen, **where})
 
     def as_dict(self) -> dict[str, Any]:
         """The report file's JSON object."""
