@@ -11,17 +11,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+import sglang_oobguard
 from helpers import mha, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 from test_stepmap import decode, runner  # noqa: F401  (the fixture)
 
 
-@pytest.fixture
-def engine(mp, guard, runner):  # noqa: F811
-    """Strict, liveness on; a runner over a real pool and its real allocator, the table empty."""
+@pytest.fixture(params=["auto", "triton"])
+def engine(mp, guard, runner, request):  # noqa: F811
+    """Strict, liveness on; a runner over a real pool and its real allocator, the table empty.
+    auto: the host path; triton: the read kernel (and the step kernel), in Triton's interpreter."""
     from sglang.srt.mem_cache import allocator
 
-    guard("strict", liveness=True)
+    guard("strict", request.param, liveness=True)
     pool = mha(mp, 64)
     alloc = token_allocator(allocator, pool)
     run, _ = runner(pool)
@@ -57,6 +59,14 @@ def hand_out(alloc, wanted: torch.Tensor) -> torch.Tensor:
     return every[keep]
 
 
+def line_of(function, text: str) -> int:
+    """The line of `function` that holds `text` (the call site a report must name)."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
 def evict(alloc, slots):
     """Stands for a radix eviction under a running request: the frame the report must name."""
     alloc.free(slots)
@@ -83,6 +93,7 @@ def test_shared_prefixes_new_holders_and_a_requests_own_slot_again_raise_nothing
     alloc.free(table[2, 4:8].long())
     admit(run, alloc, 2, 3, prefix[:3])
     step(run, alloc, {1: 9, 2: 7}, rids={2: "next"})
+    sglang_oobguard.check()  # the kernel's record: nothing
     assert "internal error" not in caplog.text and "read check skipped" not in caplog.text
 
 
@@ -96,11 +107,14 @@ def test_a_prefix_slot_freed_and_handed_to_another_request_is_read_at_the_next_s
     run.forward(_extend(run, 3, taken))  # the new holder writes them: it owns them now
     with pytest.raises(KVOutOfBoundsError) as info:
         step(run, alloc, {1: 6, 3: 3})
+        sglang_oobguard.check()  # the kernel's record (the host path raised already)
     v = info.value.violation
     assert (v.kind, v.request, v.owner, v.label) == ("read_reused", "r1", "r3", "req_to_token (read check)")
     assert v.token in (0, 1) and v.value == int(prefix[v.token]) and v.owner_token is not None
-    assert v.freed_by.endswith("> evict (test_reads.py:62) > TokenToKVPoolAllocator.free"), v.freed_by
-    assert v.allocated_by.endswith("> hand_out (test_reads.py:54) > TokenToKVPoolAllocator.alloc") and v.read_generation < v.generation
+    assert v.freed_by.endswith(f"> evict (test_reads.py:{line_of(evict, 'alloc.free')}) > TokenToKVPoolAllocator.free"), \
+        v.freed_by
+    assert v.allocated_by.endswith(f"> hand_out (test_reads.py:{line_of(hand_out, 'alloc.alloc')}) > "
+                                   "TokenToKVPoolAllocator.alloc"), v.allocated_by and v.read_generation < v.generation
     text = str(info.value)
     assert f"slot {v.value} at position {v.token} is read by its running request but was given back and handed " \
            "out again" in text and "slot %d is held by request r3" % v.value in text
@@ -114,6 +128,7 @@ def test_a_slot_freed_under_its_reader_is_read_freed(engine):
     evict(alloc, prefix[2:3])
     with pytest.raises(KVOutOfBoundsError) as info:
         step(run, alloc, {1: 6})
+        sglang_oobguard.check()
     v = info.value.violation
     assert (v.kind, v.request, v.token, v.value, v.owner) == ("read_freed", "r1", 2, int(prefix[2]), None)
     assert "evict (test_reads.py:" in v.freed_by
@@ -128,6 +143,7 @@ def test_a_repointed_entry_is_caught(engine):
     run.req_to_token_pool.req_to_token[1, 1] = int(other[3])
     with pytest.raises(KVOutOfBoundsError) as info:
         step(run, alloc, {1: 6, 2: 6})
+        sglang_oobguard.check()
     v = info.value.violation
     assert (v.kind, v.request, v.token, v.value, v.owner, v.owner_token) == ("repointed", "r1", 1, int(other[3]),
                                                                              "r2", 3)

@@ -8,11 +8,12 @@ reads), `readmap.check_reads` checks every slot read against the liveness shadow
 its history, and the report names the reader, the position, the new holder and the
 slot's history.
 
-The host path serves CPU tensors. The draft model runner of speculative decoding
+The host path serves CPU tensors, one launch of `readkernel` the others (after the
+step kernel, on the same stream: no host sync). The draft model runner of speculative decoding
 shares the target's req_to_token and is not checked twice; a forward with
 out_cache_loc_virtual (req_to_token in another id space), a batch without request
-ids (a row's new holder cannot be told apart), a CUDA tensor and a graph capture are
-skipped, each said once in the log.
+ids (a row's new holder cannot be told apart) and a graph capture are skipped, each
+said once in the log.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from ..model.log import logger
 from ..model.violation import site_id
-from ..probes import readmap
+from ..probes import device, readkernel, readmap
 from ..probes.record import Record
 from .guard import Guard
 
@@ -54,26 +55,47 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
             logger.warning("sglang_oobguard: read check skipped for %s", why)
         return
     seen = state.__dict__.get(SEEN_ATTR)
+    host = guard.on_host(table)
     if seen is None or not seen.fits(table):
-        seen = state.__dict__[SEEN_ATTR] = readmap.Seen(*table.shape)
-    rows_np = rows[:size].numpy().astype(np.int64)
+        if seen is not None:
+            device.retain(seen)
+        seen = state.__dict__[SEEN_ATTR] = readmap.Seen(*table.shape, table.device)
+        if not host:  # compiled at the first step (sglang's warm-up forward), never while serving
+            readkernel.warm_up(seen, table, rows, lens, state.live, state.record.tensor,
+                               guard.steps.counter(state.device), site_id(READ_LABEL), high)
     rids = list(batch.rids)[:size]
+    extend = getattr(getattr(batch, "forward_mode", None), "name", "").lower() in EXTENDS
+    if not host:
+        readmap.forget_changed_holders(seen, _host_rows(batch, size), rids)
+        readkernel.launch(seen, table, rows, getattr(batch, "seq_lens", lens), size, extend, state.live,
+                          state.record.tensor, guard.steps.counter(state.device), site_id(READ_LABEL), high)
+        if device.is_gpu(table):
+            state.order.probed(table.device)
+        return
+    rows_np = rows[:size].numpy().astype(np.int64)
     readmap.forget_changed_holders(seen, rows_np.tolist(), rids)
-    mode = getattr(getattr(batch, "forward_mode", None), "name", "").lower()
-    finding = readmap.check_reads(seen, table.numpy(), rows_np, lens[:size].numpy().astype(np.int64),
-                                  mode in EXTENDS, state.live, high)
+    finding = readmap.check_reads(seen, table.numpy(), rows_np, lens[:size].numpy().astype(np.int64), extend,
+                                  state.live, high)
     if finding is not None:
         _report(guard, state, finding, high)
 
 
+def _host_rows(batch: Any, size: int) -> list:
+    """The batch's req_pool_indices as host ints: sglang's host copy, or a CPU tensor
+    (never a device read)."""
+    rows = getattr(batch, "req_pool_indices_cpu", None)
+    rows = batch.req_pool_indices if rows is None else rows
+    return rows[:size].tolist()
+
+
 def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
     """Why this step's reads are not checked, or ""."""
-    if not guard.on_host(table):
-        return "req_to_token on a GPU (the host path only, so far)"
     if getattr(batch, "out_cache_loc_virtual", None) is not None:
         return "forwards with out_cache_loc_virtual (req_to_token holds virtual ids)"
     if getattr(batch, "rids", None) is None:
         return "batches without request ids (sglang before 0.5)"
+    if table.device.type != "cpu" and not isinstance(getattr(batch, "req_pool_indices_cpu", None), torch.Tensor):
+        return "GPU batches without req_pool_indices_cpu (a row's new holder is told on the host)"
     return ""
 
 

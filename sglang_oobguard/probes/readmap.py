@@ -22,8 +22,7 @@ at its last step (`checked`, reset when the row holds another request): its slot
 then only required to be live. Radix-shared prefixes are read by many rows at once,
 each with its own copy of the generation: they raise nothing.
 
-On a GPU the same contract is one launch over the flat (row, position) grid, with
-`Seen` in device memory: see docs/design.md (the read check).
+On a GPU the same contract is one launch (`readkernel`), with `Seen` in device memory.
 """
 
 from __future__ import annotations
@@ -38,16 +37,18 @@ from .shadow import GEN, Live
 
 
 class Seen:
-    """What the read check remembers per (req_to_token row, position), host arrays."""
+    """What the read check remembers per (req_to_token row, position): tensors on the
+    table's device (the host path reads them through numpy views), made at the first
+    step and never reallocated while the table keeps its shape."""
 
-    def __init__(self, rows: int, cols: int) -> None:
-        self.slot = np.full((rows, cols), -1, dtype=np.int64)  # the slot read there last
-        self.gen = np.zeros((rows, cols), dtype=np.int64)  # its generation when first read there
-        self.checked = np.zeros(rows, dtype=np.int64)  # positions the row's request has read
+    def __init__(self, rows: int, cols: int, where: torch.device = torch.device("cpu")) -> None:
+        self.slot = torch.full((rows, cols), -1, dtype=torch.int64, device=where)  # the slot read there last
+        self.gen = torch.zeros((rows, cols), dtype=torch.int64, device=where)  # its generation when first read there
+        self.checked = torch.zeros(rows, dtype=torch.int64, device=where)  # positions the row's request has read
         self.holder: list[object] = [None] * rows  # the request (rid) the row was checked for
 
     def fits(self, table: torch.Tensor) -> bool:
-        return self.slot.shape == tuple(table.shape)
+        return tuple(self.slot.shape) == tuple(table.shape) and self.slot.device == table.device
 
 
 class ReadFinding(NamedTuple):
@@ -82,8 +83,8 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     alive = flags.take(pages) != 0
     gen_of = live.history[GEN].numpy() if live.history is not None else np.zeros(flags.size, dtype=np.int64)
     gen = gen_of.take(pages)
-    seen_slot, seen_gen = seen.slot.reshape(-1), seen.gen.reshape(-1)
-    old = position < np.repeat(seen.checked[rows], lens)
+    seen_slot, seen_gen, checked = seen.slot.numpy().reshape(-1), seen.gen.numpy().reshape(-1), seen.checked.numpy()
+    old = position < np.repeat(checked[rows], lens)
     before, first_gen = seen_slot.take(flat), seen_gen.take(flat)
     changed = before != slots
     freed = inside & ~alive
@@ -98,7 +99,7 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     bad = freed | repointed | reused
     seen_slot[flat] = slots
     seen_gen[flat] = gen  # a position reported is reported once, then read as it is now
-    seen.checked[rows] = lens
+    checked[rows] = lens
     if not bad.any():
         return None
     at = int(np.argmax(bad))
