@@ -67,10 +67,7 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
     extend = getattr(getattr(batch, "forward_mode", None), "name", "").lower() in EXTENDS
     if not host:
         readmap.forget_changed_holders(seen, _host_rows(batch, size), rids)
-        readkernel.launch(seen, table, rows, getattr(batch, "seq_lens", lens), size, extend, state.live,
-                          state.record.tensor, guard.steps.counter(state.device), site_id(READ_LABEL), high)
-        if device.is_gpu(table):
-            state.order.probed(table.device)
+        _launch(guard, state, seen, table, batch, size, extend, high)
         return
     rows_np = rows[:size].numpy().astype(np.int64)
     readmap.forget_changed_holders(seen, rows_np.tolist(), rids)
@@ -78,6 +75,15 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
                                   state.live, high)
     if finding is not None:
         _report(guard, state, finding, high)
+
+
+def _launch(guard: Guard, state: Any, seen: readmap.Seen, table: torch.Tensor, batch: Any, size: int, extend: bool,
+            high: int) -> None:
+    """The device path: one launch on the current stream, after the step kernel (no host sync)."""
+    readkernel.launch(seen, table, batch.req_pool_indices, batch.seq_lens, size, extend, state.live,
+                      state.record.tensor, guard.steps.counter(state.device), site_id(READ_LABEL), high)
+    if device.is_gpu(table):
+        state.order.probed(table.device)
 
 
 def _host_rows(batch: Any, size: int) -> list:
