@@ -9,6 +9,7 @@
    512 to 8k, a steady decode step (every position read before).
 
     .venv/bin/python bench/history_reads.py [--quick]
+    python bench/history_reads.py --gpu   # the read kernel on CUDA (for ci/gpu-check.sh)
 """
 import os
 import sys
@@ -104,6 +105,46 @@ def read_cost():
           "is not built yet: the host path's numbers above are what this run measured")
 
 
+def read_kernel_cost():
+    """--gpu: the read kernel's time per step on CUDA (CUDA events, after a warm-up launch),
+    at the same grid; for ci/gpu-check.sh. The decode step it is compared with is
+    bench/engine.py --device cuda's."""
+    from sglang_oobguard.probes import readkernel, readmap, shadow
+
+    if not torch.cuda.is_available():
+        print("read kernel: no CUDA device here (run with --gpu on a GPU host)")
+        return
+    cuda = torch.device("cuda")
+    record, step = torch.zeros(14, dtype=torch.int64, device=cuda), torch.zeros(1, dtype=torch.int64, device=cuda)
+    print("| batch | context | reads per step | read kernel us/step (CUDA events) |")
+    print("|---|---|---|---|")
+    for batch in (1, 8, 64, 256):
+        for context in (512, 2048, 4096, 8192):
+            slots = batch * context
+            table = (torch.randperm(slots, device=cuda).view(batch, context) + 1).to(torch.int32)
+            live = shadow.new_live(slots + 1, 1, cuda)
+            shadow.mark(live, torch.arange(1, slots + 1, device=cuda))
+            seen = readmap.Seen(batch, context, cuda)
+            rows = torch.arange(batch, device=cuda)
+            lens = torch.full((batch,), context, dtype=torch.int64, device=cuda)
+            go = lambda: readkernel.launch(seen, table, rows, lens, batch, False, live, record, step, 0,  # noqa: E731
+                                           slots + 1)
+            go()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            reps = 20
+            start.record()
+            for _ in range(reps):
+                go()
+            end.record()
+            end.synchronize()
+            print(f"| {batch} | {context} | {slots} | {start.elapsed_time(end) * 1e3 / reps:.1f} |")
+    assert int(record[1]) == 0, "a clean table was reported"
+    print("target: under 1% of a decode step at batch 64, 4k context (the step: bench/engine.py --device cuda)")
+
+
 if __name__ == "__main__":
-    history_cost()
-    read_cost()
+    if "--gpu" in sys.argv:
+        read_kernel_cost()
+    else:
+        history_cost()
+        read_cost()

@@ -57,3 +57,14 @@ def test_engine_benchmark_prints_its_table_and_checks_the_tokens():
                         rf"{verdict}", rows[2][6]), out  # printed beside what was measured, never asserted
     assert "SGLANG_PLUGINS=faultinject" in rows[1][1]  # upstream alone: our plugin kept out by sglang's loader
     assert "tokens: every configuration produced off's tokens in every round (2 requests x 16 tokens)" in out
+
+
+def test_history_and_read_check_benchmark_prints_every_row():
+    """bench/history_reads.py --quick: the history's cost per allocator call and the read
+    check's per step (the host path over sglang's real classes); times not asserted."""
+    out = run("bench/history_reads.py", "--quick")
+    assert re.search(r"^\| history's cost \(call site \+ its writes\) \| [\d.]+ \|$", out, re.M), out
+    assert re.search(r"^\| \.\.\. guarded, liveness on \(shadow, free check, history\) \| [\d.]+ \([\d.]+x\) \|$",
+                     out, re.M), out
+    for batch, context in ((1, 512), (8, 8192), (64, 2048)):
+        assert re.search(rf"^\| {batch} \| {context} \| {batch * context} \| \d+ \| [\d.]+ \|$", out, re.M), out
