@@ -9,7 +9,8 @@ requests (greedy), the fault plugin (tests/e2e/faultinject) at decode step 3:
 
 Strict fails the engine, with no hang, and the report names the slot and both rids;
 warn serves every request, and the owner's tokens and the untouched request's are the
-clean run's. The write map is on whenever the guard is; the owner check with liveness."""
+clean run's. The write map is on whenever the guard is; the owner check and the read check
+with liveness (every clean run below reads every slot of every request at every step)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ def test_retraction_raises_nothing(model):
     assert sum(int(n) for n in RETRACTED.findall(run.log)) > 0, run.log[-3000:]  # it did retract
     assert run.result["outputs"] == reference.result["outputs"]
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    assert "read check skipped" not in run.log and "internal error" not in run.log
     assert not run.leftovers
 
 
@@ -131,6 +133,7 @@ def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, work
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
     assert run.result["outputs"] == reference
     assert "write map not checked" not in run.log, [l for l in run.log.splitlines() if "write map" in l]
+    assert "read check skipped" not in run.log and "internal error" not in run.log  # every target step's reads
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     if options:
         assert run.result["spec_verify_ct"] > 0

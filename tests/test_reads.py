@@ -194,3 +194,28 @@ def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard,
     assert (v.kind, v.layer, v.value, v.owner, v.owner_token) == ("not_step", 1, target, "r2", 0)
     assert "is not a slot this forward step's tokens write" in str(info.value)
     assert layers_seen == [0, 1, 0]  # the bad write never ran
+
+
+def test_an_mla_pool_is_read_checked_alike(mp, guard, runner, monkeypatch):  # noqa: F811
+    """DeepSeek's pool kind: the read check reads req_to_token and the allocator's shadow,
+    never the pool's layout. (The model loop writes nothing here: the MLA buffers' shapes
+    are not the stand-in loop's.)"""
+    from helpers import model_runner_class
+    from sglang.srt.mem_cache import allocator
+
+    guard("strict", liveness=True)
+    pool = mp.MLATokenToKVPool(64, 1, torch.bfloat16, 16, 16, 2, "cpu", False)
+    alloc = token_allocator(allocator, pool)
+    run, _ = runner(pool)
+    monkeypatch.setattr(model_runner_class().__dict__["forward"], "__wrapped__", lambda self, batch, *a, **k: "output")
+    run.req_to_token_pool.req_to_token.zero_()
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[:1])
+    taken = hand_out(alloc, prefix[:1])
+    run.req_to_token_pool.req_to_token[3, :1] = taken.to(torch.int32)
+    run.forward(_extend(run, 3, taken))
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6, 3: 2})
+    v = info.value.violation
+    assert (v.kind, v.pool, v.request, v.token, v.owner) == ("read_reused", "MLATokenToKVPool", "r1", 0, "r3")
