@@ -42,8 +42,9 @@ class Seen:
     step and never reallocated while the table keeps its shape."""
 
     def __init__(self, rows: int, cols: int, where: torch.device = torch.device("cpu")) -> None:
-        self.slot = torch.full((rows, cols), -1, dtype=torch.int64, device=where)  # the slot read there last
-        self.gen = torch.zeros((rows, cols), dtype=torch.int64, device=where)  # its generation when first read there
+        # int32, as req_to_token: a slot id fits; a generation is kept modulo 2^32 (only compared for equality)
+        self.slot = torch.full((rows, cols), -1, dtype=torch.int32, device=where)  # the slot read there last
+        self.gen = torch.zeros((rows, cols), dtype=torch.int32, device=where)  # its generation when first read there
         self.checked = torch.zeros(rows, dtype=torch.int64, device=where)  # positions the row's request has read
         self.holder: list[object] = [None] * rows  # the request (rid) the row was checked for
 
@@ -66,12 +67,11 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
                 high: int) -> Optional[ReadFinding]:
     """Check one step's reads (rows: req_pool_indices, lens: seq_lens, host int64
     arrays of the batch's real requests) and remember them. None when clean."""
-    total = int(lens.sum())
-    if not total:
-        return None
     ncols = table.shape[1]
     lens = np.minimum(lens, ncols)
     total = int(lens.sum())
+    if not total:
+        return None
     reader = np.repeat(np.arange(rows.size), lens)
     position = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
     flat = np.repeat(rows, lens) * ncols + position
@@ -82,7 +82,7 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     flags = live.flags.numpy()
     alive = flags.take(pages) != 0
     gen_of = live.history[GEN].numpy() if live.history is not None else np.zeros(flags.size, dtype=np.int64)
-    gen = gen_of.take(pages)
+    gen = gen_of.take(pages).astype(np.int32)  # modulo 2^32, as Seen keeps it
     seen_slot, seen_gen, checked = seen.slot.numpy().reshape(-1), seen.gen.numpy().reshape(-1), seen.checked.numpy()
     old = position < np.repeat(checked[rows], lens)
     before, first_gen = seen_slot.take(flat), seen_gen.take(flat)
@@ -91,7 +91,8 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     repointed = np.zeros_like(freed) if extend else inside & old & changed
     if repointed.any():  # the old slot still held as it was: not a dedup (the radix cache frees the duplicate)
         was = before.clip(0, high - 1) // page
-        repointed &= (before >= page) & (before < high) & (flags.take(was) != 0) & (gen_of.take(was) == first_gen)
+        repointed &= (before >= page) & (before < high) & (flags.take(was) != 0) & \
+            (gen_of.take(was).astype(np.int32) == first_gen)
     reused = inside & alive & old & ~changed & (gen != first_gen)
     if reused.any():  # the request's own slot given again (a rolled-back position) passes
         owner = live.owner.numpy().take(pages) if live.owner is not None else np.zeros_like(pages)
