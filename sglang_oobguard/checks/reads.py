@@ -61,7 +61,7 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
             device.retain(seen)
         seen = state.__dict__[SEEN_ATTR] = readmap.Seen(*table.shape, table.device)
         if not host:  # compiled at the first step (sglang's warm-up forward), never while serving
-            readkernel.warm_up(seen, table, rows, lens, state.live, state.record.tensor,
+            readkernel.warm_up(seen, table, rows, batch.seq_lens, state.live, state.record.tensor,
                                guard.steps.counter(state.device), site_id(READ_LABEL), high)
     rids = list(batch.rids)[:size]
     extend = getattr(getattr(batch, "forward_mode", None), "name", "").lower() in EXTENDS
