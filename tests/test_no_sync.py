@@ -23,7 +23,13 @@ from sglang_oobguard.checks import guard as guard_mod
 from sglang_oobguard.probes import device, hostscan, kernels, pools, record, shadow
 from sglang_oobguard.checks import liveness, reads, stepcheck, writes
 from sglang_oobguard.probes import readkernel
-from test_stepmap import runner  # noqa: F401  (the fixture)
+from test_stepmap import step_runner
+
+
+@pytest.fixture
+def runner(mp, monkeypatch):
+    """test_stepmap's runner: sglang's ModelRunner with the guard's hook over a stand-in model loop."""
+    return step_runner(mp, monkeypatch)
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",

@@ -14,11 +14,17 @@ import torch
 import sglang_oobguard
 from helpers import mha, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
-from test_stepmap import decode, runner  # noqa: F401  (the fixture)
+from test_stepmap import decode, step_runner
 
+
+
+@pytest.fixture
+def runner(mp, monkeypatch):
+    """test_stepmap's runner: sglang's ModelRunner with the guard's hook over a stand-in model loop."""
+    return step_runner(mp, monkeypatch)
 
 @pytest.fixture(params=["auto", "triton"])
-def engine(mp, guard, runner, request):  # noqa: F811
+def engine(mp, guard, runner, request):
     """Strict, liveness on; a runner over a real pool and its real allocator, the table empty.
     auto: the host path; triton: the read kernel (and the step kernel), in Triton's interpreter."""
     from sglang.srt.mem_cache import allocator
@@ -163,7 +169,7 @@ def _extend(run, row: int, slots: torch.Tensor):
     return batch
 
 
-def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard, runner, monkeypatch):  # noqa: F811
+def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard, runner, monkeypatch):
     """Item 4: a writer that computes its own ids (not the step's out_cache_loc) and targets
     another running request's slot at layer 1 is caught at that write, the holder named;
     the same values in a tensor of its own pass."""
@@ -196,7 +202,7 @@ def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard,
     assert layers_seen == [0, 1, 0]  # the bad write never ran
 
 
-def test_an_mla_pool_is_read_checked_alike(mp, guard, runner, monkeypatch):  # noqa: F811
+def test_an_mla_pool_is_read_checked_alike(mp, guard, runner, monkeypatch):
     """DeepSeek's pool kind: the read check reads req_to_token and the allocator's shadow,
     never the pool's layout. (The model loop writes nothing here: the MLA buffers' shapes
     are not the stand-in loop's.)"""
