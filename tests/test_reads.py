@@ -117,8 +117,8 @@ def test_a_prefix_slot_freed_and_handed_to_another_request_is_read_at_the_next_s
     v = info.value.violation
     assert (v.kind, v.request, v.owner, v.label) == ("read_reused", "r1", "r3", "req_to_token (read check)")
     assert v.token in (0, 1) and v.value == int(prefix[v.token]) and v.owner_token is not None
-    assert v.freed_by.endswith(f"> evict (test_reads.py:{line_of(evict, 'alloc.free')}) > TokenToKVPoolAllocator.free"), \
-        v.freed_by
+    freed_at = line_of(evict, "alloc.free")
+    assert v.freed_by.endswith(f"> evict (test_reads.py:{freed_at}) > TokenToKVPoolAllocator.free"), v.freed_by
     assert v.allocated_by.endswith(f"> hand_out (test_reads.py:{line_of(hand_out, 'alloc.alloc')}) > "
                                    "TokenToKVPoolAllocator.alloc"), v.allocated_by and v.read_generation < v.generation
     text = str(info.value)
