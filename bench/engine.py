@@ -30,6 +30,14 @@ Reported per configuration: the median decode tokens per second over the rounds,
 ratio to off paired round by round (the median of the per-round ratios, with their
 min-max), and whether it produced off's tokens in every round. The targets are printed
 beside what was measured; nothing here asserts a time.
+
+The guard's own time: a throughput ratio on two busy cores cannot resolve a few
+percent, so each guarded engine also runs with SGLANG_OOBGUARD_OWN_TIME (every entry
+point of the guard adds its time minus the sglang call it wraps, per process, to a
+memory-mapped file; sglang_oobguard/report/owntime.py). Read before and after each
+round: the guard's host microseconds per forward step (every kind of entry point:
+pool writes, the step check, allocator hooks, fused writers, the flush), and their
+share of the forward steps' own wall time, the median over rounds, beside the targets.
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests")]
 
+from sglang_oobguard.model.config import OWN_TIME_VAR  # noqa: E402  (standard library only)
+from sglang_oobguard.report import owntime  # noqa: E402
+
 # name -> (label, environment). "upstream": sglang's own probe with our plugin kept out
 # by sglang's own loader whitelist (SGLANG_PLUGINS names only the test's fault plugin,
 # which the other configurations load too and which does nothing unasked).
@@ -64,6 +75,8 @@ CONFIGS = {
 GUARDED = {"strict", "liveness", "warn", "both"}
 # (configuration, baseline, at least): CPU engine targets of issue 24
 TARGETS = [("strict", "off", 0.97), ("liveness", "off", 0.95), ("both", "upstream", 0.97)]
+# the guard's own time (issue 35): under 1% of the forward step at batch 8, under 20 us per step at batch 1
+OWN_SHARE_TARGET, OWN_US_TARGET = 0.01, 20.0
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,10 +135,12 @@ def measure(args: argparse.Namespace, model: Path) -> dict:
     engines: dict[str, Served] = {}
 
     common = {"OMP_NUM_THREADS": str(args.threads)} if args.device == "cpu" else {}
+    own = {name: str(model.parent / f"owntime-{name}") for name in args.configs if name in GUARDED}
 
     def start(name: str) -> None:
         began = time.monotonic()
-        served = Served(model, {**common, **CONFIGS[name][1]}, options)
+        env = {**common, **CONFIGS[name][1], **({OWN_TIME_VAR: own[name]} if name in own else {})}
+        served = Served(model, env, options)
         engines[name] = served
         served.ready()
         print(f"engine {name} ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
@@ -142,8 +157,12 @@ def measure(args: argparse.Namespace, model: Path) -> dict:
             k = r % len(args.configs)
             order = args.configs[k:] + args.configs[:k]
             for name in order:
+                before = owntime.read(own[name]) if name in own else None
                 got = engines[name].round()
                 got["order"] = order.index(name)
+                if before is not None:  # kind -> (own ns, calls, inclusive ns) in this round
+                    got["own"] = {kind: [a - b for a, b in zip(after, before[kind])]
+                                  for kind, after in owntime.read(own[name]).items()}
                 results[name].append(got)
             print(f"round {r + 1}/{args.rounds} (wall tok/s, tok per CPU-s): " + ", ".join(
                 f"{name} {num(tok_s(results[name][-1]))} {num(tok_cpu(results[name][-1]))}" for name in args.configs),
@@ -202,6 +221,8 @@ def summarize(args: argparse.Namespace, raw: dict) -> dict:
             rows[name][metric] = ratio_stats([f(got) for got in mine])["median"]
             rows[name][f"{metric}_rounds"] = [f(got) for got in mine]
             rows[name][f"{metric}_vs_off"] = ratio_stats([f(a) / f(b) for a, b in zip(mine, off)])
+        if name in GUARDED:
+            rows[name].update(own_time(mine))
     targets = []
     for name, base, floor in TARGETS:
         if name in rounds and base in rounds:
@@ -212,6 +233,45 @@ def summarize(args: argparse.Namespace, raw: dict) -> dict:
                                   else stats["median"] >= floor}
             targets.append(target)
     return {"rows": rows, "targets": targets}
+
+
+def own_time(rounds: list[dict]) -> dict:
+    """The guard's own host time per forward step (us) and its share of the steps' time,
+    each the median over rounds, and the median us per step of each kind of entry point."""
+    per_step, share, kinds = [], [], {}
+    for got in rounds:
+        own = got["own"]
+        steps, forward_ns = own["step"][1], own["step"][2]
+        if not steps:
+            continue
+        total = sum(ns for ns, _, _ in own.values())
+        per_step.append(total / steps / 1e3)
+        share.append(total / forward_ns)
+        for kind, (ns, _, _) in own.items():
+            kinds.setdefault(kind, []).append(ns / steps / 1e3)
+    if not per_step:
+        return {"own_us": NAN, "own_share": NAN, "own_kinds": {}}
+    return {"own_us": statistics.median(per_step), "own_share": statistics.median(share),
+            "own_kinds": {kind: statistics.median(v) for kind, v in kinds.items() if any(v)}}
+
+
+def own_table(args: argparse.Namespace, summary: dict) -> str:
+    """The guard's own time per configuration, beside the targets that apply to this batch."""
+    lines = ["| configuration | guard's own host time per forward step | share of the step | by entry point "
+             "(us per step) | target |", "|---|---|---|---|---|"]
+    for name in args.configs:
+        row = summary["rows"][name]
+        if name not in GUARDED:
+            continue
+        targets = []
+        if args.batch == 1:
+            targets.append(f"< {OWN_US_TARGET:.0f} us: {'meets' if row['own_us'] < OWN_US_TARGET else 'MISSES'}")
+        if args.batch == 8:
+            targets.append(f"< {OWN_SHARE_TARGET:.0%}: {'meets' if row['own_share'] < OWN_SHARE_TARGET else 'MISSES'}")
+        kinds = ", ".join(f"{kind} {us:.1f}" for kind, us in row["own_kinds"].items())
+        lines.append(f"| {row['label']} | {num(row['own_us'], 1)} us | {num(row['own_share'] * 100, 2)}% | {kinds} "
+                     f"| {'; '.join(targets) or '(targets at batch 1 and 8)'} |")
+    return "\n".join(lines)
 
 
 def header(args: argparse.Namespace) -> str:
@@ -320,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
           f"all in {wall:.0f} s.")
     print()
     print(table(args, summary))
+    print()
+    print(own_table(args, summary))
     print()
     same = all(row["same_tokens"] and row["all_tokens"] for row in summary["rows"].values())
     print(f"tokens: {'every configuration produced off' + chr(39) + 's tokens in every round' if same else 'DIFFER'}"

@@ -16,7 +16,7 @@ import torch
 
 GUARD_VARS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE",
               "SGLANG_OOBGUARD_BACKEND", "SGLANG_OOBGUARD_POLL_EVERY", "SGLANG_OOBGUARD_WARN_INTERVAL_S",
-              "SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_REPORT_DIR")
+              "SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_REPORT_DIR", "SGLANG_OOBGUARD_OWN_TIME")
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG = version("sglang")
 # The sites' pool classes that not every release of the matrix has: tag in the label -> class.

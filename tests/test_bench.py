@@ -27,12 +27,15 @@ def test_cpu_benchmark_prints_every_row():
     out = run("bench/run.py", "--quick")
     for n in (1, 16, 256, 4096):
         assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x .* \| [\d.]+ us \| [\d.]+x", out, re.M), out
+    for n in (1, 16, 256, 4096):  # the host check, cold and warm
+        assert re.search(rf"^\| {n} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \|$", out, re.M), out
     for layers in (1, 80):  # probes per step: one per layer before the step check, one after
         assert re.search(rf"^\| {layers} \| {layers} \| 1 \| \d+ us \| \d+ us \| [\d.]+x \|$", out, re.M), out
     assert re.search(r"load\(\) takes [\d.]+ us", out)
     assert "Modules imported beyond the standard library: sglang_oobguard, sglang_oobguard.plugin." in out
     assert re.search(r"load_plugins\(\): ([1-9]\d*) of \1 write methods are the original function objects", out), out
     assert re.search(r"the .pth hook at interpreter start: -?[\d.]+ us", out)
+    assert re.search(r"^Write targets \(issue 35\): (all met|MISSED: .+) \(.*\)\.$", out, re.M), out
 
 
 
@@ -57,6 +60,11 @@ def test_engine_benchmark_prints_its_table_and_checks_the_tokens():
                         rf"{verdict}", rows[2][6]), out  # printed beside what was measured, never asserted
     assert "SGLANG_PLUGINS=faultinject" in rows[1][1]  # upstream alone: our plugin kept out by sglang's loader
     assert "tokens: every configuration produced off's tokens in every round (2 requests x 16 tokens)" in out
+    # the guard's own time, read from the guarded engine's own-time file: every step counted, the writes in it
+    own = re.findall(r"^\| ([^|]+) \| ([\d.]+) us \| ([\d.]+)% \| ([^|]*) \| ([^|]*) \|$", out, re.M)
+    assert [r[0] for r in own] == ["plugin + upstream"], out
+    assert float(own[0][1]) > 0 and 0 < float(own[0][2]) < 100, out
+    assert re.search(r"\bwrite [\d.]+\b", own[0][3]) and re.search(r"\bstep [\d.]+\b", own[0][3]), out
 
 
 def test_history_and_read_check_benchmark_prints_every_row():

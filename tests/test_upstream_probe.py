@@ -63,3 +63,22 @@ def test_warn_mode_is_not_overruled_by_upstreams_strict_copy(mp, monkeypatch):
     pool.set_kv_buffer(Layer(0), torch.tensor([70]), k, k)  # contained, served
     assert torch.equal(pool.k_buffer[0][0], k[0])
     assert [v.value for v in sglang_oobguard.violations()] == [70]
+
+
+def test_with_sglangs_flag_off_its_probe_is_left_unwrapped_until_a_later_install_sets_it(mp, monkeypatch):
+    """Off, sglang's probe returns at once: a skip wrapper would only add a call to every write."""
+    from sglang.srt.utils import async_probe
+
+    original = async_probe.maybe_detect_oob
+    sglang_oobguard.install("strict")
+    assert mp.maybe_detect_oob is original
+    monkeypatch.setenv("SGLANG_ENABLE_ASYNC_ASSERT", "1")
+    sglang_oobguard.install("strict")  # the same guard, reconfigured: now sglang's duplicate is skipped
+    assert mp.maybe_detect_oob.__wrapped__ is original
+    asserts = []
+    monkeypatch.setattr(torch, "_assert_async", lambda *a, **k: asserts.append(a[-1]))
+    k = torch.zeros(1, 2, 4)
+    mha(mp).set_kv_buffer(Layer(0), torch.tensor([7]), k, k)
+    assert asserts == []
+    sglang_oobguard.uninstall()
+    assert mp.maybe_detect_oob is original

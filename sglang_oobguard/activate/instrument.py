@@ -36,6 +36,7 @@ from ..model.targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE,
                              version_of_sglang, write_map_off)
 from ..model.violation import Violation
 from ..report.files import open_report
+from ..report.owntime import OwnTime
 
 _MISSING = object()
 
@@ -57,30 +58,47 @@ class Patch:
             setattr(self.owner, self.name, self.before)
 
 
-class Instrumentor:
-    """The installed guard: its Guard and the patches it made, in order."""
+class Patches:
+    """What the instrumentor replaced, in order, and the one place that puts it back."""
 
-    def __init__(self, config: config_mod.Config) -> None:
-        self.guard = Guard(config)
-        self.patches: list[Patch] = []
+    def __init__(self, own_time: Optional[OwnTime]) -> None:
+        self.made: list[Patch] = []
+        self.own_time = own_time  # set: every wrapper is timed (a benchmark's own-time file)
 
     @property
     def entries(self) -> tuple[Union[Found, AllocatorMethod], ...]:
-        return tuple(p.entry for p in self.patches if p.entry is not None)
+        return tuple(p.entry for p in self.made if p.entry is not None)
 
-    def _wrap(self, owner: Any, name: str, wrapper: Callable[..., Any],
-              entry: Optional[Union[Found, AllocatorMethod]] = None) -> None:
-        """Wrap `owner.name` once: a second wrap of the same attribute is a no-op."""
-        if any(p.owner is owner and p.name == name for p in self.patches):
+    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any], kind: str,
+             entry: Optional[Union[Found, AllocatorMethod]] = None) -> None:
+        """Wrap `owner.name` once (a second wrap of the same attribute is a no-op);
+        `kind`: the entry point's kind in the own time (`owntime.KINDS`)."""
+        if any(p.owner is owner and p.name == name for p in self.made):
             return
+        if self.own_time is not None:
+            wrapper = self.own_time.timed(kind, wrapper)
         before = owner.__dict__.get(name, _MISSING)
         wrapt.wrap_function_wrapper(owner, name, wrapper)
-        self.patches.append(Patch(owner, name, before, entry))
+        self.made.append(Patch(owner, name, before, entry))
+
+    def undo(self, which: Callable[[Patch], bool] = lambda patch: True) -> None:
+        """Put back, newest first, what each chosen patch replaced."""
+        for patch in reversed([p for p in self.made if which(p)]):
+            patch.undo()
+        self.made = [p for p in self.made if not which(p)]
+
+
+class Instrumentor:
+    """The installed guard: its Guard and the patches it made."""
+
+    def __init__(self, config: config_mod.Config) -> None:
+        self.guard = Guard(config)
+        self.patches = Patches(self.guard.own_time)
 
     def instrument(self, base: type) -> list[str]:
         """Wrap what discovery finds; returns the methods a reader should know are not guarded."""
         skipped = self.guard_classes(discover(base))
-        self._wrap(base, "__init__", make_constructor_hook(self.guard))
+        self.patches.wrap(base, "__init__", make_constructor_hook(self.guard), "other")
         self._hook_new_classes(base)
         classes = set(pool_classes(base))  # exact types: an ABC subclass check per object costs seconds
         attach_existing(self.guard, (obj for obj in gc.get_objects() if type(obj) in classes))
@@ -107,12 +125,12 @@ class Instrumentor:
             logger.warning("sglang_oobguard: %s.%s.%s not found: no forward-step check in this sglang",
                            STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)
             return
-        self._wrap(owner, STEP_HOOK.method, make_forward_hook(self.guard, STEP_HOOK.pool_attr))
+        self.patches.wrap(owner, STEP_HOOK.method, make_forward_hook(self.guard, STEP_HOOK.pool_attr), "step")
 
     def _wrap_writer(self, module: ModuleType, writer: Any) -> None:
         if writer.function in module.__dict__:
-            self._wrap(module, writer.function,
-                       make_writer_wrapper(writer, self.guard, module.__dict__[writer.function]))
+            self.patches.wrap(module, writer.function,
+                       make_writer_wrapper(writer, self.guard, module.__dict__[writer.function]), "writer")
 
     def guard_classes(self, entries: list[Union[Found, Skipped]]) -> list[str]:
         """Wrap every Found; returns the Skipped that a reader should know of (a method
@@ -123,7 +141,7 @@ class Instrumentor:
                 if not entry.by_design:
                     skipped.append(f"{entry.qualname} ({entry.reason})")
                 continue
-            self._wrap(entry.owner, entry.method, make_wrapper(entry, self.guard), entry)
+            self.patches.wrap(entry.owner, entry.method, make_wrapper(entry, self.guard), "write", entry)
             self.guard.found.append(entry)
             self.guard.bounds.update(zip(entry.sites, (ids.bound.rule for ids in entry.rule.ids)))
             self._skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
@@ -138,7 +156,8 @@ class Instrumentor:
             return
         methods, untracked = targets
         for target in methods:
-            self._wrap(target.owner, target.method, make_allocator_wrapper(target, self.guard), target)
+            self.patches.wrap(target.owner, target.method, make_allocator_wrapper(target, self.guard), "allocator",
+                              target)
         if untracked:
             logger.warning("sglang_oobguard: liveness not tracked for the pools of %s (bound check only)",
                            ", ".join(untracked))
@@ -146,7 +165,7 @@ class Instrumentor:
     def untrack_allocators(self) -> None:
         """Liveness turned off by a later install(): unwrap the allocators and forget the
         shadows, which from now on would miss what the allocators hand out."""
-        self.undo(lambda p: isinstance(p.entry, AllocatorMethod))
+        self.patches.undo(lambda p: isinstance(p.entry, AllocatorMethod))
         for state in list(self.guard.states):
             state.live = None
 
@@ -163,20 +182,16 @@ class Instrumentor:
             if late:
                 logger.warning("sglang_oobguard: not guarded: %s", "; ".join(late))
 
-        self.patches.append(Patch(base, "__init_subclass__", own if own is not None else _MISSING))
+        self.patches.made.append(Patch(base, "__init_subclass__", own if own is not None else _MISSING))
         base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
 
     def _skip_upstream_duplicates(self, module: Optional[ModuleType]) -> None:
         """Bind this pool module's `maybe_detect_oob` (0.5.13+) to a wrapper that skips
-        the calls our probe has just made; a module without it is left as it is."""
-        if module is not None and UPSTREAM_PROBE in module.__dict__:
-            self._wrap(module, UPSTREAM_PROBE, make_upstream_skip(self.guard))
+        the calls our probe has just made; a module without it is left as it is, and so
+        is every module while sglang's flag is off (its probe returns at once then)."""
+        if self.guard.config.upstream_probe and module is not None and UPSTREAM_PROBE in module.__dict__:
+            self.patches.wrap(module, UPSTREAM_PROBE, make_upstream_skip(self.guard), "write")
 
-    def undo(self, which: Callable[[Patch], bool] = lambda patch: True) -> None:
-        """Put back, newest first, what each chosen patch replaced."""
-        for patch in reversed([p for p in self.patches if which(p)]):
-            patch.undo()
-        self.patches = [p for p in self.patches if not which(p)]
 
 
 _active: Optional[Instrumentor] = None
@@ -237,11 +252,13 @@ def install(mode: Optional[str] = None) -> tuple[Union[Found, AllocatorMethod], 
 def _reconfigure(config: config_mod.Config) -> tuple[Union[Found, AllocatorMethod], ...]:
     """Already installed (whichever door came first): the same wrappers, new settings."""
     assert _active is not None
-    tracking = any(isinstance(entry, AllocatorMethod) for entry in _active.entries)
+    tracking = any(isinstance(entry, AllocatorMethod) for entry in _active.patches.entries)
     _active.guard.configure(config)
+    for entry in _active.guard.found:  # sglang's flag on now: its duplicate probes skipped from now on
+        _active._skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
     if config.liveness != tracking:
         _active.track_allocators() if config.liveness else _active.untrack_allocators()
-    return _active.entries
+    return _active.patches.entries
 
 
 def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, AllocatorMethod], ...]:
@@ -250,7 +267,7 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     skipped = _active.instrument(base)
     flush.watch(_active.guard)  # reports reach the folder when the server idles and at exit
     version = version_of_sglang()
-    guarded = [entry.qualname for entry in _active.entries if isinstance(entry, Found)]
+    guarded = [entry.qualname for entry in _active.patches.entries if isinstance(entry, Found)]
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
                 "defined so far), sglang %s, liveness=%s (owner check %s), %s", os.getpid(),
                 config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
@@ -263,7 +280,7 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped + absent) or "nothing")
     _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent)
-    return _active.entries
+    return _active.patches.entries
 
 
 def _absent_hooks() -> list[tuple[str, str]]:
@@ -296,7 +313,7 @@ def uninstall() -> None:
     with _lock:
         if _active is not None:
             flush.at_shutdown(_active.guard)
-            _active.undo()
+            _active.patches.undo()
             _active.guard.forget()
             _active = None
 

@@ -31,3 +31,9 @@ class CallState(threading.local):
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.capturing = False  # the memo belongs to a graph capture
         self.step_ids: Any = None  # the step's mapped ids (ownids.StepIds), for writes with ids of their own
+
+
+def memo_key(pool: Any, high: int, param: int, ids: torch.Tensor, lens: Optional[torch.Tensor], live: bool) -> tuple:
+    """The memo's key: ids probed on a pool against a bound, as one id parameter, with
+    these lens, with or without the shadow (objects by identity: the memo holds them)."""
+    return id(pool), high, param, id(ids), id(lens), live

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 import weakref
 from typing import Any, Optional
 
@@ -141,7 +142,10 @@ class Idle(threading.Thread):
             if device.backend() is not device.CUDA:  # a test's device model: the test ticks itself
                 continue
             for guard in list(_guards):
+                began = time.perf_counter_ns()
                 try:
                     idle_tick(guard, self.seen.setdefault(guard, {}))
                 except Exception as exc:
                     guard.internal_error("idle flush", exc)
+                if guard.own_time is not None:
+                    guard.own_time.add("flush", time.perf_counter_ns() - began)

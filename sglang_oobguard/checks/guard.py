@@ -20,6 +20,7 @@ from ..model.violation import Kind, Violation, assert_text, free_param, site_id
 from ..probes import device, shadow
 from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from ..probes.record import Record, fold_host
+from ..report import owntime
 from ..report.reporter import Reporter
 from .calls import CallState
 from .steps import Steps
@@ -33,7 +34,11 @@ class Guard:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.reporter = Reporter(config.warn_interval_s)
+        self.own_time = owntime.open_for(config.own_time)  # a benchmark's; fixed by the first install
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
+        # the pools a kernel has probed: only their records are read back at step boundaries
+        # (a host scan reports at once; a ring copy of its record would be a host copy per step)
+        self.polled: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self.found: list[Found] = []  # the guarded methods: what a new pool's warm-up compiles
         self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
         self._messages: dict[int, str] = {}  # site -> the device-side assert text
@@ -112,8 +117,9 @@ class Guard:
                                   fatal=self.config.mode is not Mode.WARN)
 
     def launched(self, state: PoolState) -> None:
-        """Outside forward steps (which read every record at their boundary), look at a
-        pool's record every `poll_every` probes."""
+        """A kernel probed this pool: its record is read at step boundaries from now on,
+        and outside forward steps every `poll_every` probes."""
+        self.polled.add(state)
         if self.calls.depth:
             return
         state.since_poll += 1

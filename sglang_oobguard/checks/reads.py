@@ -84,6 +84,7 @@ def _launch(guard: Guard, state: Any, seen: readmap.Seen, table: torch.Tensor, b
                       state.record.tensor, guard.steps.counter(state.device), site_id(READ_LABEL), high)
     if device.is_gpu(table):
         state.order.probed(table.device)
+    guard.launched(state)  # its record is read at step boundaries
 
 
 def _host_rows(batch: Any, size: int) -> list:

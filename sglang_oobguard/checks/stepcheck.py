@@ -32,6 +32,7 @@ from ..model.targets import POOL_IDS
 from ..probes import device
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, reads, stepmap
+from .calls import memo_key
 from .guard import Guard
 from .writes import check_write
 
@@ -46,7 +47,7 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     guard.steps.begin(runner, batch, capturing)
     guard.calls.memo.clear()
     guard.calls.step_ids = None
-    for state in list(guard.states):  # the copy the last step's end started (step_end starts the next)
+    for state in list(guard.polled):  # the copy the last step's end started (step_end starts the next)
         guard.publish(state, state.record.poll(restart=False))
     loc = getattr(batch, "out_cache_loc", None)
     if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
@@ -70,10 +71,10 @@ def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.T
     passed, where = mapped
     live = guard.state(pool, loc.device).live is not None
     memo = guard.calls.memo
-    memo[(id(pool), high, 0, id(loc), id(None), live)] = (loc, passed, where >= 0, where)
+    memo[memo_key(pool, high, 0, loc, None, live)] = (loc, passed, where >= 0, where)
     if passed is loc:
         return None, True
-    memo[(id(pool), high, 0, id(passed), id(None), live)] = (passed, passed, False, -1)  # checked: itself
+    memo[memo_key(pool, high, 0, passed, None, live)] = (passed, passed, False, -1)  # checked: itself
     return passed, True
 
 
@@ -83,7 +84,7 @@ def step_end(guard: Guard) -> None:
     guard.steps.open -= 1
     guard.calls.memo.clear()
     guard.calls.step_ids = None
-    for state in list(guard.states):
+    for state in list(guard.polled):
         state.record.start_copy()
 
 

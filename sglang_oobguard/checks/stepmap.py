@@ -61,6 +61,7 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> O
                       guard.message(guard.step_site) if strict else None)
     if device.is_gpu(loc):
         state.order.probed(loc.device)
+    guard.launched(state)  # inside the step: its record is read at the next boundary
     if clean is None:
         return loc, -1
     state.copied_for[where] = loc

@@ -57,6 +57,7 @@ POLL_VAR = "SGLANG_OOBGUARD_POLL_EVERY"
 WARN_INTERVAL_VAR = "SGLANG_OOBGUARD_WARN_INTERVAL_S"
 LIVENESS_VAR = "SGLANG_OOBGUARD_LIVENESS"
 REPORT_DIR_VAR = "SGLANG_OOBGUARD_REPORT_DIR"
+OWN_TIME_VAR = "SGLANG_OOBGUARD_OWN_TIME"
 
 # sglang's EnvBool rules (sglang/srt/environ.py), any case.
 _TRUE = ("true", "1", "yes", "y")
@@ -72,6 +73,8 @@ class Config:
     warn_interval_s: float = 10.0  # warn mode: seconds between two running-total lines
     liveness: bool = False  # also check that written and freed slots are allocated (README, "Liveness")
     report_dir: Optional[str] = None  # each process appends its JSON-lines report to a file here (`reportfile`)
+    own_time: Optional[str] = None  # a benchmark's folder: each process keeps its own time there (`owntime`)
+    upstream_probe: bool = False  # SGLANG_ENABLE_ASYNC_ASSERT is on: sglang's own probe runs in its methods
 
     @property
     def active(self) -> bool:
@@ -154,6 +157,7 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
     poll_every = _number(env, POLL_VAR, int, Config.poll_every, 1)
     warn_interval = _number(env, WARN_INTERVAL_VAR, float, Config.warn_interval_s, 0.0)
     report_dir = _folder(env, REPORT_DIR_VAR)
+    own_time = _folder(env, OWN_TIME_VAR)
 
     if explicit is not None:
         mode = explicit  # includes OFF, which wins over everything
@@ -167,4 +171,5 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
         # asked for the deeper check with the guard itself off: never run unguarded quietly
         raise ConfigError(LIVENESS_VAR, _get(env, LIVENESS_VAR) or "", "0, or set it with the guard on "
                           f"({ENABLE_VAR}=1 or {MODE_VAR}=strict|raise|warn)")
-    return Config(mode, backend, poll_every, warn_interval, liveness and mode is not Mode.OFF, report_dir)
+    return Config(mode, backend, poll_every, warn_interval, liveness and mode is not Mode.OFF, report_dir,
+                  own_time, enabled)

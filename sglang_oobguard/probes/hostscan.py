@@ -70,24 +70,30 @@ def _all_live(ids: np.ndarray, live: Live) -> bool:
     return bool(held.all()) or bool((held | (inside < live.page)).all())
 
 
+def _in_bounds(flat: torch.Tensor, high: int) -> bool:
+    """Every id in [0, high): plain Python for a few ids, else one torch reduction."""
+    if flat.numel() <= _HOST_LIST_MAX:
+        few = flat.tolist()
+        return not few or (min(few) >= 0 and max(few) < high)
+    lo, hi = torch.aminmax(flat)
+    return lo.item() >= 0 and hi.item() < high
+
+
 def _clean(flat: torch.Tensor, high: int, live: Optional[Live]) -> bool:
     """The fast answer for a clean call: True when every id is in [0, high) and (with
     `live`) on a live page; False means "scan it in full". Plain Python for a few ids,
     numpy over the shadow's memory or one torch reduction for many."""
-    host = None if live is None else live.host
-    if live is not None and host is None:
+    if live is None:
+        return _in_bounds(flat, high)
+    host = live.host
+    if host is None:
         return False
     if flat.numel() <= _HOST_LIST_MAX:
         few = flat.tolist()
         if few and (min(few) < 0 or max(few) >= high):
             return False
-        if live is None or host is None:
-            return True
         page, covered = live.page, live.high
         return all(i < page or i >= covered or host[i // page] for i in few)
-    if live is None:
-        lo, hi = torch.aminmax(flat)
-        return lo.item() >= 0 and hi.item() < high
     ids = flat.numpy()
     return bool(ids.min() >= 0 and ids.max() < high) and _all_live(ids, live)
 
