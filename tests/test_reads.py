@@ -225,3 +225,21 @@ def test_an_mla_pool_is_read_checked_alike(mp, guard, runner, monkeypatch):
         step(run, alloc, {1: 6, 3: 2})
     v = info.value.violation
     assert (v.kind, v.pool, v.request, v.token, v.owner) == ("read_reused", "MLATokenToKVPool", "r1", 0, "r3")
+
+
+def test_a_slot_handed_back_to_its_own_reader_at_another_position_is_caught(engine):
+    """Its own row owns the slot again, but at the position it writes now, not the one it
+    read: two positions, one slot (the older read sees the new token's KV)."""
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[1:2])
+    again = hand_out(alloc, prefix[1:2])
+    table = run.req_to_token_pool.req_to_token
+    table[1, 5] = again.to(table.dtype)
+    with pytest.raises(KVOutOfBoundsError) as info:
+        run.forward(decode(run, rows=(1,), seq_lens=(6,)))  # writes position 5 with that slot
+        sglang_oobguard.check()
+    v = info.value.violation
+    assert (v.kind, v.request, v.token, v.value, v.owner, v.owner_token) == ("read_reused", "r1", 1, int(prefix[1]),
+                                                                             "r1", 5)

@@ -18,7 +18,7 @@ said once in the log.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -64,24 +64,41 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
             readkernel.warm_up(seen, table, rows, batch.seq_lens, state.live, state.record.tensor,
                                guard.steps.counter(state.device), site_id(READ_LABEL), high)
     rids = list(batch.rids)[:size]
-    extend = getattr(getattr(batch, "forward_mode", None), "name", "").lower() in EXTENDS
+    mode = getattr(getattr(batch, "forward_mode", None), "name", "").lower()
+    extend = mode in EXTENDS
     if not host:
         readmap.forget_changed_holders(seen, _host_rows(batch, size), rids)
-        _launch(guard, state, seen, table, batch, size, extend, high)
+        _launch(guard, state, seen, table, batch, size, mode, high)
         return
     rows_np = rows[:size].numpy().astype(np.int64)
     readmap.forget_changed_holders(seen, rows_np.tolist(), rids)
-    finding = readmap.check_reads(seen, table.numpy(), rows_np, lens[:size].numpy().astype(np.int64), extend,
-                                  state.live, high)
+    lens_np = lens[:size].numpy().astype(np.int64)
+    finding = readmap.check_reads(seen, table.numpy(), rows_np, lens_np, extend, state.live, high,
+                                  _written(batch, mode, lens_np))
     if finding is not None:
         _report(guard, state, finding, high)
 
 
-def _launch(guard: Guard, state: Any, seen: readmap.Seen, table: torch.Tensor, batch: Any, size: int, extend: bool,
+def _written(batch: Any, mode: str, lens: np.ndarray) -> Optional[np.ndarray]:
+    """The first position each request writes in this step (host values): decode its
+    last, an extend its prefix length; other forwards write none they read. None: unknown."""
+    if mode == "decode":
+        return lens - 1
+    if mode in EXTENDS:
+        prefix = getattr(batch, "extend_prefix_lens_cpu", None)
+        return None if prefix is None or len(prefix) < lens.size else np.asarray(prefix[:lens.size], dtype=np.int64)
+    return lens
+
+
+def _launch(guard: Guard, state: Any, seen: readmap.Seen, table: torch.Tensor, batch: Any, size: int, mode: str,
             high: int) -> None:
     """The device path: one launch on the current stream, after the step kernel (no host sync)."""
-    readkernel.launch(seen, table, batch.req_pool_indices, batch.seq_lens, size, extend, state.live,
-                      state.record.tensor, guard.steps.counter(state.device), site_id(READ_LABEL), high)
+    prefix = getattr(batch, "extend_prefix_lens", None) if mode in EXTENDS else None
+    written = readkernel.WRITTEN_DECODE if mode == "decode" else readkernel.WRITTEN_NONE if mode not in EXTENDS \
+        else readkernel.WRITTEN_PREFIX if isinstance(prefix, torch.Tensor) else readkernel.WRITTEN_ANY
+    readkernel.launch(seen, table, batch.req_pool_indices, batch.seq_lens, size, mode in EXTENDS, state.live,
+                      state.record.tensor, guard.steps.counter(state.device), site_id(READ_LABEL), high, written,
+                      prefix if written == readkernel.WRITTEN_PREFIX else None)
     if device.is_gpu(table):
         state.order.probed(table.device)
     guard.launched(state)  # its record is read at step boundaries

@@ -16,6 +16,8 @@ One program keeps the record's one-call-per-step count; sum(seq_lens) slots are 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -31,14 +33,19 @@ K_READ_FREED = tl.constexpr(int(Kind.READ_FREED))
 K_READ_REUSED = tl.constexpr(int(Kind.READ_REUSED))
 K_REPOINTED = tl.constexpr(int(Kind.REPOINTED))
 READ_BLOCK = 512
+# where a request's own slot handed back to it may be read at a new generation: from the
+# first position this step writes (decode: its last; an extend: its prefix length), none, any
+WRITTEN_DECODE, WRITTEN_PREFIX, WRITTEN_NONE, WRITTEN_ANY = range(4)
 
 
-@triton.jit(do_not_specialize=["batch", "ncols", "table_stride", "extend", "live_page", "live_high", "site", "high"],
-            do_not_specialize_on_alignment=["table_ptr", "rows_ptr", "seq_ptr", "live_ptr", "owner_ptr", "gen_ptr",
+@triton.jit(do_not_specialize=["batch", "ncols", "table_stride", "extend", "live_page", "live_high", "site", "high",
+                               "written"],
+            do_not_specialize_on_alignment=["table_ptr", "rows_ptr", "seq_ptr", "prefix_ptr", "live_ptr", "owner_ptr",
+                                            "gen_ptr",
                                             "seen_slot_ptr", "seen_gen_ptr", "checked_ptr", "record_ptr", "step_ptr"])
-def _read_kernel(table_ptr, table_stride, ncols, rows_ptr, seq_ptr, batch, extend, live_ptr, owner_ptr, gen_ptr,
-                 live_page, live_high, seen_slot_ptr, seen_gen_ptr, checked_ptr, record_ptr, step_ptr, site, high,
-                 BLOCK: tl.constexpr):
+def _read_kernel(table_ptr, table_stride, ncols, rows_ptr, seq_ptr, prefix_ptr, written, batch, extend, live_ptr,
+                 owner_ptr, gen_ptr, live_page, live_high, seen_slot_ptr, seen_gen_ptr, checked_ptr, record_ptr,
+                 step_ptr, site, high, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     bad_count = tl.zeros([BLOCK], dtype=tl.int64)
     numel = tl.zeros([BLOCK], dtype=tl.int64)
@@ -51,6 +58,10 @@ def _read_kernel(table_ptr, table_stride, ncols, rows_ptr, seq_ptr, batch, exten
         row = tl.load(rows_ptr + r).to(tl.int64)
         n = tl.minimum(tl.load(seq_ptr + r).to(tl.int64), ncols)
         prior = tl.load(checked_ptr + row)
+        seq = tl.load(seq_ptr + r).to(tl.int64)
+        first_written = tl.where(written == 0, seq - 1, tl.where(written == 2, seq, 0))
+        if written == 1:
+            first_written = tl.load(prefix_ptr + r).to(tl.int64)
         for start in range(0, n, BLOCK):
             p = start + lanes
             m = p < n
@@ -71,7 +82,8 @@ def _read_kernel(table_ptr, table_stride, ncols, rows_ptr, seq_ptr, batch, exten
             was_gen = tl.load(gen_ptr + was_page, mask=was, other=-1).to(tl.int32)
             repointed = was & (extend == 0) & (was_flag != 0) & (was_gen == first_gen)
             own = tl.load(owner_ptr + page, mask=inside, other=0).to(tl.int64)
-            reused = old & (flag != 0) & ~changed & (gen != first_gen) & (own != row + 1)
+            mine = (own == row + 1) & (p >= first_written)  # its own slot again, where it writes now
+            reused = old & (flag != 0) & ~changed & (gen != first_gen) & ~mine
             bad = freed | repointed | reused
             kind = tl.where(freed, K_READ_FREED, tl.where(repointed, K_REPOINTED, K_READ_REUSED))
             fresh = bad & (first == _NO_POS)
@@ -108,10 +120,13 @@ def _read_kernel(table_ptr, table_stride, ncols, rows_ptr, seq_ptr, batch, exten
 
 
 def launch(seen: Seen, table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, batch: int, extend: bool,
-           live: Live, record: torch.Tensor, step: torch.Tensor, site: int, high: int) -> None:
-    """Enqueue the read check of one step (no host sync, no allocation)."""
+           live: Live, record: torch.Tensor, step: torch.Tensor, site: int, high: int, written: int = WRITTEN_ANY,
+           prefix: Optional[torch.Tensor] = None) -> None:
+    """Enqueue the read check of one step (no host sync, no allocation). `written`:
+    WRITTEN_*; `prefix`: extend_prefix_lens with WRITTEN_PREFIX."""
     assert table.stride(1) == 1 and live.history is not None and live.owner is not None
-    args = (table, table.stride(0), table.shape[1], rows, seq_lens, batch, int(extend), live.flags, live.owner,
+    args = (table, table.stride(0), table.shape[1], rows, seq_lens, seq_lens if prefix is None else prefix, written,
+            batch, int(extend), live.flags, live.owner,
             live.history[GEN], live.page, live.high, seen.slot, seen.gen, seen.checked, record, step, site, high)
     device.enqueue(kernels._launch, _read_kernel, 1, args, dict(BLOCK=READ_BLOCK), False)
 

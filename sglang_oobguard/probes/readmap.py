@@ -14,8 +14,9 @@ position read (flat, vectorized over sum(seq_lens)):
   does any change in an extend, which maps a prefix anew: radix matches, chunked
   prefill, re-admission after retraction);
 - READ_REUSED: the same slot, handed out again since (its generation changed), and
-  its owner (the write map's owner table) is not this request's row; a slot the
-  request itself was given again (spec decoding's rolled-back positions) passes.
+  its owner (the write map's owner table) is not this request's row at a position
+  this step writes; a slot the request itself was given again where it writes now
+  (spec decoding's rolled-back positions, a retracted request's new prefill) passes.
 
 A position is new to its request when it lies past what the row's request had read
 at its last step (`checked`, reset when the row holds another request): its slot is
@@ -64,9 +65,10 @@ class ReadFinding(NamedTuple):
 
 
 def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarray, extend: bool, live: Live,
-                high: int) -> Optional[ReadFinding]:
+                high: int, written: Optional[np.ndarray] = None) -> Optional[ReadFinding]:
     """Check one step's reads (rows: req_pool_indices, lens: seq_lens, host int64
-    arrays of the batch's real requests) and remember them. None when clean."""
+    arrays of the batch's real requests) and remember them. `written`: per request,
+    the first position this step writes (None: any). None when clean."""
     ncols = table.shape[1]
     lens = np.minimum(lens, ncols)
     total = int(lens.sum())
@@ -96,7 +98,10 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     reused = inside & alive & old & ~changed & (gen != first_gen)
     if reused.any():  # the request's own slot given again (a rolled-back position) passes
         owner = live.owner.numpy().take(pages) if live.owner is not None else np.zeros_like(pages)
-        reused &= owner != np.repeat(rows, lens) + 1
+        mine = owner == np.repeat(rows, lens) + 1
+        if written is not None:  # ... at a position this step writes again, not one it read before
+            mine &= position >= np.repeat(written, lens)
+        reused &= ~mine
     bad = freed | repointed | reused
     seen_slot[flat] = slots
     seen_gen[flat] = gen  # a position reported is reported once, then read as it is now
