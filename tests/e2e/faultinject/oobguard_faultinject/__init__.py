@@ -27,8 +27,9 @@ requests) while sglang's own books (frees, its leak check) stay balanced.
 `value=evict` (decode): after the chosen forward, the first EVICTED slots of token's
 request (its prompt's, read at every step) are given back to the allocator
 (`token_to_kv_pool_allocator.free`, as an eviction under a running request would)
-and put first in its free list, so the next step's allocations hand them to the
-running requests while the faulted one still reads them.
+and put near the head of its free list, after token + 1 other slots, so the next
+decode step's allocations (one slot per request, in batch order) hand them to the
+requests after it while the faulted one still reads them.
 
 `site=move` counts `move_kv_cache` calls instead (speculative decoding's move of the
 accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
@@ -161,7 +162,8 @@ def _evict(runner, batch, token: int, step: int) -> None:
     if allocator.need_sort:
         allocator.merge_and_sort_free()
     first = torch.isin(allocator.free_pages, slots)
-    allocator.free_pages = torch.cat((allocator.free_pages[first], allocator.free_pages[~first]))
+    others = allocator.free_pages[~first]
+    allocator.free_pages = torch.cat((others[:token + 1], allocator.free_pages[first], others[token + 1:]))
     print(f"oobguard_faultinject: step {step} token {token}: evicted {slots.tolist()} of request "
           f"{batch.rids[token]} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
