@@ -23,7 +23,7 @@ from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
-from . import swa
+from . import ownids, swa
 from .calls import argument, memo_key, replaced
 from .guard import Guard
 
@@ -126,6 +126,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     lean = len(specs) == 1 and lens_at is None and specs[0][5] and door is None
     head_high = specs[0][3]
     calls = guard.calls
+    single = len(specs) == 1  # a write (a move has two id parameters: not a step's token write)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         outer = calls.current
@@ -155,6 +156,9 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     continue
                 checked = check_write(guard, instance, site, param, loc, high(instance),
                                       lambda: _layer_id(instance, args, kwargs, found), lens, slots)
+                if single and slots and calls.step_ids is not None and checked is loc:
+                    ownids.check(guard, instance, site, loc, high(instance),
+                                 lambda: _layer_id(instance, args, kwargs, found))
                 if checked is not loc:
                     passed = checked if value is loc else dataclasses.replace(value, loc=checked)
                     args, kwargs = replaced(args, kwargs, position, name, given, passed)
