@@ -83,3 +83,14 @@ def test_transfer_benchmark_prints_every_row():
                              rf"[\d.]+x \|$", out, re.M), out
     for tokens in (128, 2048):  # HiCache: one load of one layer
         assert re.search(rf"^\| {tokens} \| [\d.]+ us \| [\d.]+ us \| [\d.]+x \|$", out, re.M), out
+
+
+def test_history_and_read_check_benchmark_prints_every_row():
+    """bench/history_reads.py --quick: the history's cost per allocator call and the read
+    check's per step (the host path over sglang's real classes); times not asserted."""
+    out = run("bench/history_reads.py", "--quick")
+    assert re.search(r"^\| history's cost \(call site \+ its writes\) \| [\d.]+ \|$", out, re.M), out
+    assert re.search(r"^\| \.\.\. guarded, liveness on \(shadow, free check, history\) \| [\d.]+ \([\d.]+x\) \|$",
+                     out, re.M), out
+    for batch, context in ((1, 512), (8, 8192), (64, 2048)):
+        assert re.search(rf"^\| {batch} \| {context} \| {batch * context} \| \d+ \| [\d.]+ \|$", out, re.M), out

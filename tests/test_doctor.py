@@ -48,6 +48,10 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
     assert "liveness tracks these allocator families:\n  TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator: " in out
     assert "\n  SWATokenToKVPoolAllocator: both id spaces" in out and "  SWATokenToKVPoolAllocator.free_full " in out
     assert "SWAKVPool.set_index_k_scale_buffer" in out and "DeepSeek-V4 composite pool" in out
+    assert "liveness not tracked (bound check only): " in out and "SWATokenToKVPoolAllocator" in out
+    assert "  the read check, with liveness: every slot each request reads" in out
+    assert "  slot history, with liveness: each report names the slot's last free and allocation" in out
+    assert "  a layer's write with ids of its own (not the step's out_cache_loc)" in out
     expected = run_python(EXPECTED, {})
     rows = json.loads(expected.stdout.strip().splitlines()[-1])
     assert any(kind == "guarded" for *_, kind in rows)

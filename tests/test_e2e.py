@@ -126,6 +126,11 @@ def test_liveness_catches_a_slot_freed_while_its_request_decodes(model, mode):
     (line,) = injected(run)
     slot = int(re.search(r"out_cache_loc (\d+) freed", line).group(1))
     report = f"out_cache_loc (forward step): loc[1] = {slot} is not allocated (freed) (pool MHATokenToKVPool)"
+    # the report names where the slot was freed: the fault's free, before this step began
+    history = re.search(rf"{re.escape(report)}; step (\d+) [^\n]*; slot {slot} last freed at step (\d+) by [^\n]*"
+                        r"> _free_one \(__init__\.py:\d+\) > TokenToKVPoolAllocator\.free, last allocated at step "
+                        r"\d+ by [^\n]*alloc_for_decode[^\n]*TokenToKVPoolAllocator\.alloc \(generation \d+\)", run.log)
+    assert history and int(history.group(2)) == int(history.group(1)) - 1, run.log[-3000:]
     if mode == "warn":  # served; the write contained; the request's own free later is a double free
         assert run.returncode == 0 and run.result and len(run.result["outputs"]) == 4, run.log[-3000:]
         assert f"write contained (the write got a copy with those ids sent to padding slot 0): {report}" in run.log

@@ -9,7 +9,8 @@ requests (greedy), the fault plugin (tests/e2e/faultinject) at decode step 3:
 
 Strict fails the engine, with no hang, and the report names the slot and both rids;
 warn serves every request, and the owner's tokens and the untouched request's are the
-clean run's. The write map is on whenever the guard is; the owner check with liveness."""
+clean run's. The write map is on whenever the guard is; the owner check and the read check
+with liveness (every clean run below reads every slot of every request at every step)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ def test_radix_shared_prefixes_chunks_and_eviction_raise_nothing_with_the_owner_
     assert run.result["outputs"] == radix_clean
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     assert "write map not checked" not in run.log  # extend, mixed and decode all mapped
+    assert "read check skipped" not in run.log and "internal error" not in run.log  # every step's reads checked
     assert_radix_reused(run)
     tally = run.tally(rank=0)
     assert tally["probes"] >= tally["steps"] > 0, tally  # the step check ran every forward
@@ -114,6 +116,7 @@ def test_retraction_raises_nothing(model):
     assert sum(int(n) for n in RETRACTED.findall(run.log)) > 0, run.log[-3000:]  # it did retract
     assert run.result["outputs"] == reference.result["outputs"]
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
+    assert "read check skipped" not in run.log and "internal error" not in run.log
     assert not run.leftovers
 
 
@@ -130,6 +133,7 @@ def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, work
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
     assert run.result["outputs"] == reference
     assert "write map not checked" not in run.log, [l for l in run.log.splitlines() if "write map" in l]
+    assert "read check skipped" not in run.log and "internal error" not in run.log  # every target step's reads
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     if options:
         assert run.result["spec_verify_ct"] > 0
@@ -157,3 +161,31 @@ def test_a_full_pool_retracts_and_raises_nothing(model):
         pytest.skip("sglang did not retract in this run (its admission is timing-dependent)")
     if full in reference.log:  # the same kind of schedule unguarded: the same tokens
         assert run.result["outputs"] == reference.result["outputs"]
+
+
+EVICTED = re.compile(r"oobguard_faultinject: step 3 token 0: evicted \[([\d, ]+)\] of request (\w+) \(pid \d+\)")
+
+
+def test_a_prefix_evicted_under_its_reader_and_handed_to_another_is_read_checked(model):
+    """After decode step 3, request 0's first 4 slots go back to the allocator and first in
+    its free list: the next step's allocations hand them to the running requests while
+    request 0 still reads them. Strict + liveness: reported at that next step (the first
+    that reads them), naming the reader, the position, the new holder and the free's call site."""
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE,
+                             "OOBGUARD_FAULT": "step=3,token=0,value=evict,forward=decode"}, workload="three")
+    (found,) = EVICTED.findall(run.log)
+    slots, reader = [int(s) for s in found[0].split(", ")], found[1]
+    report = re.search(r"KVOutOfBoundsError: req_to_token \(read check\): slot (\d+) at position (\d+) is read by its "
+                       r"running request but was given back and handed out again \(generation \d+ -> \d+\); slot \d+ is "
+                       r"held by request (\w+) token \d+(?: \(\d+ of \d+ ids bad\))? \(pool MHATokenToKVPool\); step (\d+) \(decode, batch 3\); "
+                       rf"request {reader} token (\d+); [^;]*; slot \d+ last freed at step (\d+) by ([^\n]*), last "
+                       r"allocated at step (\d+) by ([^\n]*) \(generation \d+\)", run.log)
+    assert report, run.log[-4000:]
+    slot, position, holder, step, token, freed_step, freed_by, allocated_step, allocated_by = report.groups()
+    assert int(slot) == slots[int(position)] and position == token and holder != reader
+    assert int(step) == int(freed_step) + 1  # the first step that reads them
+    assert int(allocated_step) == int(freed_step)  # handed out between the two (a step number is the last begun)
+    assert "_evict (__init__.py:" in freed_by and freed_by.endswith("TokenToKVPoolAllocator.free")
+    assert "alloc_for_decode" in allocated_by and allocated_by.endswith("TokenToKVPoolAllocator.alloc")
+    assert run.result is None and run.returncode != 0
+    assert not run.leftovers

@@ -21,8 +21,15 @@ import sglang_oobguard
 from helpers import Layer, mha, token_allocator
 from sglang_oobguard.checks import guard as guard_mod
 from sglang_oobguard.probes import device, hostscan, kernels, pools, record, shadow
-from sglang_oobguard.checks import liveness, stepcheck, swa, values, writes, writers
-from sglang_oobguard.probes import valuekernel
+from sglang_oobguard.checks import liveness, reads, stepcheck, swa, values, writes, writers
+from sglang_oobguard.probes import readkernel, valuekernel
+from test_stepmap import step_runner
+
+
+@pytest.fixture
+def runner(mp, monkeypatch):
+    """test_stepmap's runner: sglang's ModelRunner with the guard's hook over a stand-in model loop."""
+    return step_runner(mp, monkeypatch)
 
 SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
            "aten.is_nonzero.default", "aten.equal.default", "aten.item.default", "aten.unique_dim.default",
@@ -100,6 +107,35 @@ def test_the_value_check_issues_no_host_sync(mp, guard):
         sglang_oobguard.check()
 
 
+def test_the_read_check_on_the_device_path_issues_no_host_sync(mp, guard, runner):
+    """The step with liveness on the kernel path: the step kernel, then the read kernel
+    (sglang's host copy of req_pool_indices tells a row's new holder): no host read."""
+    from sglang.srt.mem_cache import allocator
+    from test_reads import admit, decode
+
+    guard("raise", backend="triton", poll_every=1000, liveness=True)
+    pool = mha(mp, 64)
+    alloc = token_allocator(allocator, pool)
+    run, _ = runner(pool)
+    table = run.req_to_token_pool.req_to_token
+    table.zero_()
+    prefix = admit(run, alloc, 1, 4)
+    for n in (5, 6):
+        table[1, n - 1] = int(alloc.alloc(1)[0])
+        batch = decode(run, rows=(1,), seq_lens=(n,))
+        batch.req_pool_indices_cpu = batch.req_pool_indices.clone()
+        if n == 6:
+            alloc.free(prefix[1:2])  # read at this step: recorded
+            with OpLog() as log:
+                run.forward(batch)
+        else:
+            run.forward(batch)  # the first step: tables made, kernels compiled
+    assert not SYNCING & set(log.ops), sorted(SYNCING & set(log.ops))
+    with pytest.raises(sglang_oobguard.KVOutOfBoundsError, match=r"slot \d+ at position 1 is read by its running "
+                       r"request but was given back"):
+        sglang_oobguard.check()
+
+
 def test_host_scan_is_what_would_sync(mp):
     """The dispatch check can fail: the CPU host path does read values."""
     with OpLog() as log:
@@ -114,7 +150,7 @@ HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_
             liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages,
             liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end, liveness._update,
             liveness.counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin,
-            swa.make_wrapper, swa.make_mapping_hook, swa.check_door,
+            swa.make_wrapper, swa.make_mapping_hook, swa.check_door, reads._launch, readkernel.launch,
             values.check_values, values.parts, values.before_write, valuekernel.launch_values, valuekernel.layout,
             writers.make_writer_wrapper]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}

@@ -22,8 +22,13 @@ LAYERS, HIGH = 2, 65
 
 @pytest.fixture
 def runner(mp, monkeypatch):
+    return step_runner(mp, monkeypatch)
+
+
+def step_runner(mp, monkeypatch):
     """sglang's ModelRunner with the guard's hook; the model replaced (test-only) by a loop
-    writing every layer's KV at the batch's out_cache_loc through the real pool."""
+    writing every layer's KV at the batch's out_cache_loc through the real pool. (The
+    read check's tests build theirs with it too.)"""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     ModelRunner = model_runner_class()
 

@@ -106,6 +106,12 @@ def _outside_pools() -> list[str]:
              f"liveness: {'OFF, ' + write_map_off() if write_map_off() else 'on'}; not checked:",
              *(f"    {name}: {why}" for name, why in UNMAPPED),
              "  fused writers that take out_cache_loc themselves are reported, not contained, for ownership",
+             "  a layer's write with ids of its own (not the step's out_cache_loc): each id a slot of the step's "
+             "tokens (CPU ids)",
+             "  the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live "
+             "and of the generation it first read (host path on CPU tensors, one launch on a GPU)",
+             "  slot history, with liveness: each report names the slot's last free and allocation (step, call "
+             "site) and generation",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]
     for writer in FUSED_WRITERS:
         states = [found(module, "", writer.function) for module in writer.modules]

@@ -31,6 +31,7 @@ class CallState(threading.local):
         # whether that is a copy in the pool's buffer).
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.capturing = False  # the memo belongs to a graph capture
+        self.step_ids: Any = None  # the step's mapped ids (ownids.StepIds), for writes with ids of their own
 
 
 def memo_key(pool: Any, high: int, param: int, ids: torch.Tensor, lens: Optional[torch.Tensor], live: bool) -> tuple:

@@ -15,8 +15,9 @@ from ..model.config import Backend, Config, Mode
 from ..model.discover import Found
 from ..model.log import logger
 from ..model.targets import POOL_IDS
-from ..model.violation import Violation, assert_text, free_param, site_id
-from ..probes import device
+from ..model import callsite
+from ..model.violation import Kind, Violation, assert_text, free_param, site_id
+from ..probes import device, shadow
 from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from ..probes.record import Record, fold_host
 from ..report import owntime
@@ -36,9 +37,7 @@ class Guard:
         self.reporter = Reporter(config.warn_interval_s)
         self.own_time = owntime.open_for(config.own_time)  # a benchmark's; fixed by the first install
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
-        # the pools a kernel has probed: only their records are read back at step boundaries
-        # (a host scan reports at once; a ring copy of its record would be a host copy per step)
-        self.polled: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
+        self.polled: "weakref.WeakSet[PoolState]" = weakref.WeakSet()  # a kernel probed them: read at step ends
         self.found: list[Found] = []  # the guarded methods: what a new pool's warm-up compiles
         self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
         self.outside_steps: set[int] = set()  # sites that never write inside a forward step (HiCache's copies)
@@ -114,6 +113,7 @@ class Guard:
         if state.record.unreported(record):
             assert record is not None
             fields = {} if free_param(record.site) or record.site in self.outside_steps else self.steps.where(record)
+            fields.update(history(state, record))
             self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **{**fields, **where}),
                                   fatal=self.config.mode is not Mode.WARN)
 
@@ -148,3 +148,20 @@ class Guard:
         if self.first_time(f"internal {where}"):
             logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
                          where, type(exc).__name__, exc)
+
+
+def history(state: PoolState, record: Record) -> dict[str, Any]:
+    """The Violation fields of the reported slot's history (its last allocation and
+    free, its generation), read when the report is made; {} when liveness does not
+    track the pool or the id is outside it."""
+    live = state.live
+    if live is None or record.kind == Kind.BOUNDS or not 0 <= record.value < record.high:
+        return {}
+    page = record.value if free_param(record.site) == "page_ids" else record.value // live.page
+    told = shadow.story(live, page)
+    if told is None:
+        return {}
+    generation, allocated, freed, _ = told
+    (allocated_step, allocated_by), (freed_step, freed_by) = callsite.unpack(allocated), callsite.unpack(freed)
+    return {"generation": generation, "allocated_step": allocated_step, "allocated_by": callsite.text(allocated_by),
+            "freed_step": freed_step, "freed_by": callsite.text(freed_by)}

@@ -6,7 +6,9 @@ shadow (`shadow.Live`, one flag per page of the allocator's own id space): `clea
 starts it (every allocator's constructor calls clear), the alloc methods set the
 flags of the ids they return, a free that really gives ids back (not one a free
 group holds) is checked, every id must be live, and then clears them. The write
-probes and the step check read the same shadow.
+probes and the step check read the same shadow. Each call also writes its slots'
+history (generation, step and call site: `shadow.Live.history`), the call site
+interned from the caller's frames on the host (`model.callsite`).
 
 On a GPU every shadow update is ordered after the write probes already enqueued on
 the forward stream (sglang allocates and frees on its scheduling stream), so a free
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..model import callsite
 from ..model.config import Mode
 from ..model.discover import AllocatorMethod, base_class
 from ..model.log import logger
@@ -46,8 +49,10 @@ class Call:
     """One allocator call: the wrapped method and its arguments, which a free's
     containment may replace (warn mode on the host: only the live ids go back)."""
 
-    def __init__(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict, method: str) -> None:
+    def __init__(self, wrapped: Callable[..., Any], args: tuple, kwargs: dict, method: str,
+                 event: int = callsite.NONE) -> None:
         self.wrapped, self.args, self.kwargs, self.method = wrapped, args, kwargs, method
+        self.event = event  # callsite.pack(step, site): the slots' history entry
 
     @property
     def ids(self) -> Any:
@@ -69,7 +74,7 @@ def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call
     if isinstance(result, torch.Tensor) and state.live is not None:
         if result.numel() and guard.on_host(result):  # a live page handed out again (the GPU path: not yet)
             checked(guard, lambda: check_hand_out(guard, state, site, result))
-        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result)))
+        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result, call.event)))
     return result
 
 
@@ -104,7 +109,7 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call,
             unheld = checked(guard, lambda: transfer.on_free(guard, state, site, ids, in_pages, free))
             if unheld is not None:
                 call.ids = ids = unheld
-        contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages)) if ids.numel() else None
+        contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event)) if ids.numel() else None
         if contained is not None:
             call.ids = contained
     return counted(guard, allocator, "free", call)
@@ -113,7 +118,7 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call,
 def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     group = getattr(allocator, "free_page_ids_group", None) or []
     for i, page_ids in enumerate(group):
-        contained = checked(guard, lambda: check_free(guard, state, site, page_ids, True))
+        contained = checked(guard, lambda: check_free(guard, state, site, page_ids, True, call.event))
         if contained is not None:
             group[i] = contained
     return counted(guard, allocator, "group", call)
@@ -150,8 +155,10 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         state: Optional[PoolState] = instance.__dict__.get(LIVE_ATTR)
         if state is None or state.live is None:
             return wrapped(*args, **kwargs)
+        label = f"{type(instance).__name__}.{method}"
+        event = callsite.pack(guard.steps.number, callsite.here(label))  # the caller's frames, interned
         return HANDLERS[role](guard, instance, state, free_site(method, role, type(instance)),
-                              Call(wrapped, args, kwargs, method))
+                              Call(wrapped, args, kwargs, method, event))
 
     return wrapper
 
@@ -211,7 +218,8 @@ def checked(guard: Guard, work: Callable[[], Optional[torch.Tensor]]) -> Optiona
         return None
 
 
-def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool) -> Optional[torch.Tensor]:
+def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool,
+               event: int = callsite.NONE) -> Optional[torch.Tensor]:
     """Check one real free against the shadow (every id live, none twice where each
     id owns its flag), then clear the flags of what it gives back. `in_pages`: the
     ids are page ids. Returns the ids to free instead, when warn mode contains a bad
@@ -227,14 +235,14 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         if finding is not None:  # strict and raise: raised before the allocator took the ids
             guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True))
             contained = hostscan.live_only(ids, high, live)
-        shadow.release(live, ids)
+        shadow.release(live, ids, event)
         return contained
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT
     kernels.launch_free(ids, high, site, state.record.tensor, guard.steps.counter(state.device), live,
                         guard.message(site) if strict and device.is_gpu(ids) else None)
     if live.owner is not None:
-        device.enqueue(shadow.release, live, ids)  # the owners (the kernel cleared the flags)
+        device.enqueue(shadow.release, live, ids, event)  # the owners and history (the kernel cleared the flags)
     guard.launched(state)
     return None
 

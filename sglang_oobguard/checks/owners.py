@@ -55,6 +55,7 @@ def find_owner(req_to_token: torch.Tensor, rows: Any, rids: Optional[list], slot
 
 
 NAMED_KINDS = (Kind.OTHER_REQUEST, Kind.DUPLICATE, Kind.SHARED_ROW, Kind.OWNED)
+READ_KINDS = (Kind.READ_FREED, Kind.READ_REUSED, Kind.REPOINTED)  # the read check's: the reader, not a writer
 
 
 def named(table: torch.Tensor, rows: torch.Tensor, rids: Optional[list], kind: int, row: int, token: Optional[int],

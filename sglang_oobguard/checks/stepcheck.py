@@ -15,6 +15,9 @@ releases of the matrix). Wrapping it gives the guard a step boundary:
   one forward and sglang's own tensor (never changed) is bound back after it: sglang
   0.5.23 copies the batch into its runner's buffers before any layer writes, so this
   is the one way the contained ids reach every writer of the step;
+- a layer's write with ids of its own (not the step's, nor the cleaned copy) must
+  write slots of this step's tokens (`ownids`, host path);
+- with liveness on, every slot each request of the batch reads is checked (`reads`);
 - the step is numbered and its batch remembered (`steps`), so a report read later
   names the request and the token.
 """
@@ -28,7 +31,7 @@ import torch
 from ..model.targets import POOL_IDS
 from ..probes import device
 from ..report.reporter import KVOutOfBoundsError
-from . import stepmap
+from . import ownids, reads, stepmap
 from .calls import memo_key
 from .guard import Guard
 from .writes import check_write
@@ -43,24 +46,36 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     guard.steps.open += 1
     guard.steps.begin(runner, batch, capturing)
     guard.calls.memo.clear()
+    guard.calls.step_ids = None
     for state in list(guard.polled):  # the copy the last step's end started (step_end starts the next)
         guard.publish(state, state.record.poll(restart=False))
     loc = getattr(batch, "out_cache_loc", None)
     if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
         return None
     high = POOL_IDS.high(pool)
+    passed, mapped = _check_writes(guard, runner, batch, pool, loc, high, capturing)
+    if mapped:
+        ownids.remember(guard, pool, loc, passed)
+    if guard.config.liveness and not capturing:  # after the owner claims of this step's writes
+        reads.check_reads(guard, runner, batch, pool, high)
+    return passed
+
+
+def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int,
+                  capturing: bool) -> tuple[Optional[torch.Tensor], bool]:
+    """(the cleaned ids or None, whether the write map checked them)."""
     mapped = None if capturing else stepmap.check_step(guard, runner, batch, pool, high)  # a capture: no host values
     if mapped is None:  # bounds and liveness alone
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
-        return None
+        return None, False
     passed, where = mapped
     live = guard.state(pool, loc.device).live is not None
     memo = guard.calls.memo
     memo[memo_key(pool, high, 0, loc, None, live)] = (loc, passed, where >= 0, where)
     if passed is loc:
-        return None
+        return None, True
     memo[memo_key(pool, high, 0, passed, None, live)] = (passed, passed, False, -1)  # checked: itself
-    return passed
+    return passed, True
 
 
 def step_end(guard: Guard) -> None:
@@ -68,6 +83,7 @@ def step_end(guard: Guard) -> None:
     guard.calls.depth -= 1
     guard.steps.open -= 1
     guard.calls.memo.clear()
+    guard.calls.step_ids = None
     for state in list(guard.polled):
         state.record.start_copy()
 

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ..probes import device
+from ..probes.record import Kind
 from . import owners
 
 LAYOUTS_KEPT = 32  # steps whose layout a late report can still name
@@ -132,8 +133,10 @@ class Steps:
         """The Violation fields of a record's first bad id: its step, and the request
         and token when the ids follow out_cache_loc's order (same count, or padded
         after); for a write-map or owner violation, the owner too."""
-        fields = self._where(record.step, record.pos, record.numel)
         seen = self.find(record.step) if record.step >= 0 else None
+        if record.kind in owners.READ_KINDS:
+            return self._read(seen, record)
+        fields = self._where(record.step, record.pos, record.numel)
         if seen is None or record.kind not in owners.NAMED_KINDS or seen.pool_indices is None:
             return fields
         try:
@@ -143,6 +146,25 @@ class Steps:
                                                record.expected)}
         except Exception:  # a report names what it can
             return fields
+
+    def _read(self, seen: Optional[Seen], record: Any) -> dict[str, Any]:
+        """A read check's record: the reader (the batch's row `record.row`), the
+        position it read (`record.pos`), and the slot's holder, unless it was freed."""
+        fields = self._where(record.step, -1, 0)
+        if seen is None:
+            return fields
+        fields.update(request=self.request(seen, record.row), token=record.pos)
+        if record.kind == Kind.READ_FREED or seen.pool_indices is None:
+            return fields
+        try:
+            rows = seen.pool_indices[:seen.batch_size].tolist()
+            found = owners.find_owner(seen.runner.req_to_token_pool.req_to_token, rows, seen.rids, record.value,
+                                      prefer=record.owner, skip=(rows[record.row], record.pos))
+        except Exception:  # a report names what it can
+            found = None
+        if found is not None:
+            fields["owner"], fields["owner_token"] = found
+        return fields
 
     def _where(self, step: int, pos: int, numel: int) -> dict[str, Any]:
         seen = self.find(step) if step >= 0 else None

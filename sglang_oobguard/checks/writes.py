@@ -23,7 +23,7 @@ from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
-from . import swa, values
+from . import ownids, swa, values
 from .calls import argument, memo_key, replaced
 from .guard import Guard
 
@@ -129,6 +129,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     # CPU sglang passes the prefix on to set_kv_buffer, whose values are checked there).
     value_at = () if lens_at is not None else values.value_params(found.original, max(spec[1] for spec in specs) + 1)
     calls = guard.calls
+    single = len(specs) == 1  # a write (a move has two id parameters: not a step's token write)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         outer = calls.current
@@ -160,6 +161,9 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     continue
                 checked = check_write(guard, instance, site, param, loc, high(instance),
                                       lambda: _layer_id(instance, args, kwargs, found), lens, slots)
+                if single and slots and calls.step_ids is not None and checked is loc:
+                    ownids.check(guard, instance, site, loc, high(instance),
+                                 lambda: _layer_id(instance, args, kwargs, found))
                 if checked is not loc:
                     passed = checked if value is loc else dataclasses.replace(value, loc=checked)
                     args, kwargs = replaced(args, kwargs, position, name, given, passed)

@@ -31,9 +31,14 @@ class Kind(enum.IntEnum):
     PEER_MAPPED = 9  # SWA: a full id freed alone while its SWA peer is still mapped (the peer would leak)
     SWA_OTHER = 10  # SWA: a token's SWA id is not the translation of its own full slot (full_to_swa_index_mapping)
     IN_FLIGHT = 11  # a page freed while a KV transfer into it is in flight (PD decode side, `transfer`)
-    NONFINITE = 12  # a value written is NaN or +-Inf (SGLANG_OOBGUARD_FINITE)
+    READ_FREED = 12  # a running request reads a slot that was given back under it (read check)
+    READ_REUSED = 13  # ... a slot given back and handed out again under it (read check)
+    REPOINTED = 14  # a running request's req_to_token entry, already read, now names another slot (read check)
+    NOT_STEP = 15  # a write with ids of its own (not the step's out_cache_loc) into a slot no token of the step writes
+    NONFINITE = 16  # a value written is NaN or +-Inf (SGLANG_OOBGUARD_FINITE)
 
 
+READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kinds, by name
 ELEMENTS = ("nan", "+inf", "-inf")  # a non-finite value, as a record numbers it
 
 
@@ -117,6 +122,13 @@ class Violation:
     # A KV transfer into the pages (PD disaggregation): its bootstrap room and the step it was sent at.
     room: Optional[int] = None
     sent_step: int = -1
+    # The slot's history (liveness on): its generation and its last allocation and free.
+    generation: int = -1  # the serial of the allocator call that last handed it out (-1: not tracked)
+    allocated_step: int = -1
+    allocated_by: Optional[str] = None  # the call site: "caller (file:line) > ... > Allocator.method"
+    freed_step: int = -1
+    freed_by: Optional[str] = None
+    read_generation: int = -1  # read check: the generation the reader first saw at that position
     part: Optional[str] = None  # kind "nonfinite": the argument that held it (cache_k, cache_v, k_scale, ...),
     head: Optional[int] = None  # its head,
     element: Optional[str] = None  # "nan", "+inf" or "-inf",
@@ -126,9 +138,13 @@ class Violation:
     def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
         """A pool's record (record.Record), as the report names it; `where`: the step
         and request fields."""
+        kind = Kind(record.kind).name.lower()
+        # the read check's record keeps the generation its reader first saw in `expected`
+        seen = {"read_generation": record.expected, "expected": -1} if kind in READ_KINDS else \
+            {"expected": record.expected}
         return cls(site_label(record.site), pool, record.layer, record.high, record.bad, record.numel,
                    record.pos, record.value, record.total_bad, record.calls, free_param(record.site),
-                   Kind(record.kind).name.lower(), **{"expected": record.expected, **_value_fields(record), **where})
+                   kind, **{**seen, **_value_fields(record), **where})
 
     def as_dict(self) -> dict[str, Any]:
         """The report file's JSON object."""
@@ -142,39 +158,19 @@ class Violation:
 
     def what(self) -> str:
         """What was wrong, for the first bad id."""
-        if self.kind == "in_flight":
-            return (f"page {self.value} freed while a KV transfer into it is in flight (request {self.request}, "
-                    f"bootstrap room {self.room}, sent "
-                    f"{f'at step {self.sent_step}' if self.sent_step >= 0 else 'before the first forward step'})"
-                    + (f" ({self.bad} of {self.numel} freed pages in flight)" if self.bad > 1 else ""))
-        name = self.freed or "loc"
-        at = f"{name}[{self.pos}] = {self.value}"
-        more = f" ({self.bad} of {self.numel} ids bad)" if self.bad > 1 else ""
-        if self.kind == "nonfinite":
-            return _nonfinite(self)
-        if self.kind == "bounds" or not 0 <= self.value < self.high:
-            return f"{self.bad} of {self.numel} slot ids outside [0, {self.high}): {at}"
-        if self.kind in ("freed", "double_free"):
-            return f"{at} is not allocated ({'double free' if self.freed else 'freed'}){more}"
-        if self.kind == "handed_out":
-            return f"{at} is handed out again while still allocated (a live slot went back on the free list){more}"
-        if self.kind == "unmapped":
-            return (f"{at} has no SWA slot mapped: its SWA peer was freed already (SWA double free; the free would "
-                    f"put padding slot 0 on the SWA free list){more}")
-        if self.kind == "peer_mapped":
-            return f"{at} is freed while its SWA slot {self.expected} is still mapped (that SWA slot would leak){more}"
-        held = "" if self.owner is None else f"; slot {self.value} is held by request {self.owner}" + (
-            f" token {self.owner_token}" if self.owner_token is not None else "")
-        if self.kind == "other_request":
-            return f"{at} is not this token's slot (req_to_token holds {self.expected}){held}{more}"
-        if self.kind == "swa_other":
-            own = f"maps to {self.expected}" if self.expected > 0 else "has none: it left the window or was freed"
-            return f"{at} is not this token's SWA slot (its full slot {own}){held}{more}"
-        if self.kind == "duplicate":
-            return f"{at} is written by two tokens of this forward step{held}{more}"
-        if self.kind == "shared_row":
-            return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
-        return f"{at} is owned by another running request{held}{more}"
+        return _what(self)
+
+    def history(self) -> str:
+        """The slot's last free and allocation, when liveness tracked them."""
+        parts = []
+        if self.freed_step >= 0 or self.freed_by:
+            parts.append(f"freed at step {self.freed_step} by {self.freed_by or 'an unknown call'}")
+        if self.allocated_step >= 0 or self.allocated_by:
+            parts.append(f"allocated at step {self.allocated_step} by {self.allocated_by or 'an unknown call'}")
+        if not parts:
+            return ""
+        return f"slot {self.value} last " + ", last ".join(parts) + (
+            f" (generation {self.generation})" if self.generation >= 0 else "")
 
     def context(self) -> str:
         """Where in serving it happened, when known: step, mode, batch, the writing request, ranks."""
@@ -193,8 +189,8 @@ class Violation:
 
     def described(self) -> str:
         """The one-line report: the violation, its pool, and where in serving."""
-        context = self.context()
-        return f"{self} (pool {self.pool})" + (f"; {context}" if context else "")
+        context, history = self.context(), self.history()
+        return f"{self} (pool {self.pool})" + (f"; {context}" if context else "") + (f"; {history}" if history else "")
 
     def contained(self) -> str:
         """What warn mode did about it, in words."""
@@ -231,6 +227,58 @@ def _nonfinite(v: Violation) -> str:
     if v.head is not None:
         where += f" head {v.head}"
     return f"{where} is {v.element}, not finite ({v.bad} non-finite values written)"
+
+
+def _read(self: Violation) -> str:  # a Violation's text, kept out of its class
+    """The read check's finding: `pos` is the position read, `value` its slot."""
+    at = f"slot {self.value} at position {self.pos}"
+    if self.kind == "read_freed":
+        return f"{at} is read by its running request but was given back (freed)"
+    if self.kind == "read_reused":
+        return (f"{at} is read by its running request but was given back and handed out again "
+                f"(generation {self.read_generation} -> {self.generation})")
+    return f"{at} was read before as another slot: the running request's entry was repointed"
+
+
+def _what(v: Violation) -> str:
+    """What was wrong, for the first bad id (the text of each kind)."""
+    if v.kind == "in_flight":
+        return (f"page {v.value} freed while a KV transfer into it is in flight (request {v.request}, "
+                f"bootstrap room {v.room}, sent "
+                f"{f'at step {v.sent_step}' if v.sent_step >= 0 else 'before the first forward step'})"
+                + (f" ({v.bad} of {v.numel} freed pages in flight)" if v.bad > 1 else ""))
+    if v.kind == "nonfinite":
+        return _nonfinite(v)
+    name = v.freed or "loc"
+    at = f"{name}[{v.pos}] = {v.value}"
+    more = f" ({v.bad} of {v.numel} ids bad)" if v.bad > 1 else ""
+    if v.kind == "bounds" or not 0 <= v.value < v.high:
+        return f"{v.bad} of {v.numel} slot ids outside [0, {v.high}): {at}"
+    if v.kind in ("freed", "double_free"):
+        return f"{at} is not allocated ({'double free' if v.freed else 'freed'}){more}"
+    if v.kind == "handed_out":
+        return f"{at} is handed out again while still allocated (a live slot went back on the free list){more}"
+    if v.kind == "unmapped":
+        return (f"{at} has no SWA slot mapped: its SWA peer was freed already (SWA double free; the free would "
+                f"put padding slot 0 on the SWA free list){more}")
+    if v.kind == "peer_mapped":
+        return f"{at} is freed while its SWA slot {v.expected} is still mapped (that SWA slot would leak){more}"
+    held = "" if v.owner is None else f"; slot {v.value} is held by request {v.owner}" + (
+        f" token {v.owner_token}" if v.owner_token is not None else "")
+    if v.kind == "other_request":
+        return f"{at} is not this token's slot (req_to_token holds {v.expected}){held}{more}"
+    if v.kind == "swa_other":
+        own = f"maps to {v.expected}" if v.expected > 0 else "has none: it left the window or was freed"
+        return f"{at} is not this token's SWA slot (its full slot {own}){held}{more}"
+    if v.kind == "duplicate":
+        return f"{at} is written by two tokens of this forward step{held}{more}"
+    if v.kind == "shared_row":
+        return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
+    if v.kind in READ_KINDS:
+        return _read(v) + held + more
+    if v.kind == "not_step":
+        return f"{at} is not a slot this forward step's tokens write (ids of the writer's own){held}{more}"
+    return f"{at} is owned by another running request{held}{more}"
 
 
 def assert_text(site: int, bound: str, liveness: bool) -> str:

@@ -7,15 +7,27 @@ that first wrote it since it was handed out (0: none yet): the ownership check's
 table. Both are made once per allocator and zeroed in place, never reallocated,
 so a captured CUDA graph that reads them never reads freed memory.
 
+`history` is each page's story, for the reports and the read check: its generation
+(the serial number of the allocator call that last handed it out: it rises at every
+allocation), and the step and call site (`model.callsite`, packed) of its last
+allocation and its last free. The host knows the values at the allocator call, so
+on a GPU they are written like the flags: one index_fill_ each, no host sync.
+
 Every index operation here is bounds-checked: an id outside the shadow is left
 alone (the bound checks report it), never an IndexError inside sglang's allocator.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Optional
 
 import torch
+
+from ..model.callsite import NONE
+
+GEN, ALLOCATED, FREED = range(3)  # the rows of Live.history
+_serials = itertools.count(1)  # generations: one serial per allocator call, over all pools
 
 
 class Live(NamedTuple):
@@ -27,6 +39,7 @@ class Live(NamedTuple):
     page: int  # ids per flag: the allocator's page size (1: per slot)
     host: Optional[memoryview] = None  # a CPU shadow's memory: the host scan reads it without torch ops
     owner: Optional[torch.Tensor] = None  # int32 per page: the owning req_to_token row + 1, 0 for none
+    history: Optional[torch.Tensor] = None  # int64 (3, pages + 1): GEN, ALLOCATED, FREED (callsite.pack)
 
     @property
     def pages(self) -> int:
@@ -45,7 +58,10 @@ class Live(NamedTuple):
 def new_live(pages: int, page: int, device: torch.device) -> Live:
     flags = torch.zeros(pages + 1, dtype=torch.int32, device=device)
     owner = torch.zeros(pages + 1, dtype=torch.int32, device=device)
-    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()), owner)  # type: ignore[arg-type]
+    history = torch.full((3, pages + 1), NONE, dtype=torch.int64, device=device)
+    history[GEN].zero_()
+    return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()), owner,  # type: ignore[arg-type]
+                history)
 
 
 def _pages(live: Live, ids: torch.Tensor) -> torch.Tensor:
@@ -54,20 +70,36 @@ def _pages(live: Live, ids: torch.Tensor) -> torch.Tensor:
     return torch.where((flat >= 0) & (flat < live.high), flat // live.page, live.pages)
 
 
-def mark(live: Live, ids: torch.Tensor) -> None:
-    """The allocator handed these ids out: their pages are live, and have no owner yet."""
+def mark(live: Live, ids: torch.Tensor, event: int = NONE) -> None:
+    """The allocator handed these ids out: their pages are live, have no owner yet, a
+    new generation, and `event` (callsite.pack: step and site) as their last allocation."""
     pages = _pages(live, ids)
     live.flags.index_fill_(0, pages, 1)
     if live.owner is not None:
         live.owner.index_fill_(0, pages, 0)
+    if live.history is not None:
+        live.history[GEN].index_fill_(0, pages, next(_serials))
+        live.history[ALLOCATED].index_fill_(0, pages, event)
 
 
-def release(live: Live, ids: torch.Tensor) -> None:
-    """The pages of these ids went back to the free list: not live, no owner."""
+def release(live: Live, ids: torch.Tensor, event: int = NONE) -> None:
+    """The pages of these ids went back to the free list: not live, no owner, `event`
+    their last free."""
     pages = _pages(live, ids)
     live.flags.index_fill_(0, pages, 0)
     if live.owner is not None:
         live.owner.index_fill_(0, pages, 0)
+    if live.history is not None:
+        live.history[FREED].index_fill_(0, pages, event)
+
+
+def story(live: Live, page: int) -> Optional[tuple[int, int, int, int]]:
+    """(generation, last allocation, last free, owner row + 1) of one page (a report's
+    read: may sync); None outside the shadow."""
+    if live.history is None or not 0 <= page < live.pages:
+        return None
+    gen, allocated, freed = (int(v) for v in live.history[:, page].tolist())
+    return gen, allocated, freed, 0 if live.owner is None else int(live.owner[page])
 
 
 def clear(live: Live) -> None:

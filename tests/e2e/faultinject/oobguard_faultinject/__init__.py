@@ -30,6 +30,13 @@ layer L's attention (`RadixAttention.forward`) hands on for `token` gets a NaN i
 first element (head 0), as an overflow upstream of the KV write would leave it; the
 out_cache_loc is left as it is. That token's K/V write at layer L carries the NaN.
 
+`value=evict` (decode): after the chosen forward, the first EVICTED slots of token's
+request (its prompt's, read at every step) are given back to the allocator
+(`token_to_kv_pool_allocator.free`, as an eviction under a running request would)
+and put near the head of its free list, after token + 1 other slots, so the next
+decode step's allocations (one slot per request, in batch order) hand them to the
+requests after it while the faulted one still reads them.
+
 `site=move` counts `move_kv_cache` calls instead (speculative decoding's move of the
 accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
 (`value=freed` is the only value there): a move into a slot already given back. Its
@@ -124,6 +131,13 @@ def _forward(wrapped, instance, args, kwargs):
                 _free_one(instance.token_to_kv_pool_allocator, loc, token, "out_cache_loc", _count)
             elif raw == "nan":
                 return _nan_fault(wrapped, instance, args, kwargs, batch, loc, token, int(spec["layer"]))
+            elif raw == "evict":
+                _count += 1
+                _tally["steps"] += 1
+                try:
+                    return wrapped(*args, **kwargs)
+                finally:
+                    _evict(instance, batch, token, _count - 1)
             elif raw in ("cross", "dup", "twin"):
                 return _ownership_fault(wrapped, instance, args, kwargs, batch, loc, token, raw)
             else:
@@ -174,6 +188,26 @@ def _attention(wrapped, instance, args, kwargs):
         k.view(k.shape[0], -1)[token, 0] = float("nan")
         args = (args[0], k, *args[2:])
     return wrapped(*args, **kwargs)
+
+
+EVICTED = 4
+
+
+def _evict(runner, batch, token: int, step: int) -> None:
+    """value=evict: give back the first slots of token's request and hand them out next."""
+    import torch
+
+    allocator = runner.token_to_kv_pool_allocator
+    row = int(batch.req_pool_indices[token])
+    slots = runner.req_to_token_pool.req_to_token[row, :EVICTED].to(torch.int64).clone()
+    allocator.free(slots)
+    if allocator.need_sort:
+        allocator.merge_and_sort_free()
+    first = torch.isin(allocator.free_pages, slots)
+    others = allocator.free_pages[~first]
+    allocator.free_pages = torch.cat((others[:token + 1], allocator.free_pages[first], others[token + 1:]))
+    print(f"oobguard_faultinject: step {step} token {token}: evicted {slots.tolist()} of request "
+          f"{batch.rids[token]} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
 def _ownership_fault(wrapped, instance, args, kwargs, batch, loc, token: int, raw: str):

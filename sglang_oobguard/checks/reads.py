@@ -1,0 +1,130 @@
+"""Reads: the read check of each forward step (on with liveness).
+
+Every request of a step reads its whole `req_to_token[row, 0:seq_len]`: a slot that
+was freed, or freed and handed to another request, while its request still reads it
+is read silently (a radix prefix evicted under a running request, a transfer over a
+live slot). At each step boundary, after the step check (whose owner claims it
+reads), `readmap.check_reads` checks every slot read against the liveness shadow and
+its history, and the report names the reader, the position, the new holder and the
+slot's history.
+
+The host path serves CPU tensors, one launch of `readkernel` the others (after the
+step kernel, on the same stream: no host sync). The draft model runner of speculative decoding
+shares the target's req_to_token and is not checked twice; a forward with
+out_cache_loc_virtual (req_to_token in another id space), a batch without request
+ids (a row's new holder cannot be told apart) and a graph capture are skipped, each
+said once in the log.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..model.log import logger
+from ..model.violation import site_id
+from ..probes import device, readkernel, readmap
+from ..probes.record import Record
+from .guard import Guard
+
+READ_LABEL = "req_to_token (read check)"
+SEEN_ATTR = "_oobguard_reads"  # on a PoolState: its readmap.Seen
+EXTENDS = ("extend", "mixed")  # forwards that map a request's prefix anew
+
+
+def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> None:
+    """The read check of one step: reports (and raises, unless warn) the first slot
+    read that its reader no longer holds."""
+    if getattr(runner, "is_draft_worker", False):
+        return
+    table = getattr(getattr(runner, "req_to_token_pool", None), "req_to_token", None)
+    rows, lens = getattr(batch, "req_pool_indices", None), getattr(batch, "seq_lens_cpu", None)
+    if lens is None:
+        lens = getattr(batch, "seq_lens", None)
+    size = int(getattr(batch, "batch_size", 0) or 0)
+    if not size or not all(isinstance(t, torch.Tensor) for t in (table, rows, lens)):
+        return
+    state = guard.state(pool, table.device)
+    if state.live is None:
+        return
+    why = _skipped(guard, table, batch)
+    if why:
+        if guard.first_time(f"read check skipped: {why}"):
+            logger.warning("sglang_oobguard: read check skipped for %s", why)
+        return
+    seen = state.__dict__.get(SEEN_ATTR)
+    host = guard.on_host(table)
+    if seen is None or not seen.fits(table):
+        if seen is not None:
+            device.retain(seen)
+        seen = state.__dict__[SEEN_ATTR] = readmap.Seen(*table.shape, table.device)
+        if not host:  # compiled at the first step (sglang's warm-up forward), never while serving
+            readkernel.warm_up(seen, table, rows, batch.seq_lens, state.live, state.record.tensor,
+                               guard.steps.counter(state.device), site_id(READ_LABEL), high)
+    rids = list(batch.rids)[:size]
+    mode = getattr(getattr(batch, "forward_mode", None), "name", "").lower()
+    extend = mode in EXTENDS
+    if not host:
+        readmap.forget_changed_holders(seen, _host_rows(batch, size), rids)
+        _launch(guard, state, seen, table, batch, size, mode, high)
+        return
+    rows_np = rows[:size].numpy().astype(np.int64)
+    readmap.forget_changed_holders(seen, rows_np.tolist(), rids)
+    lens_np = lens[:size].numpy().astype(np.int64)
+    finding = readmap.check_reads(seen, table.numpy(), rows_np, lens_np, extend, state.live, high,
+                                  _written(batch, mode, lens_np))
+    if finding is not None:
+        _report(guard, state, finding, high)
+
+
+def _written(batch: Any, mode: str, lens: np.ndarray) -> Optional[np.ndarray]:
+    """The first position each request writes in this step (host values): decode its
+    last, an extend its prefix length; other forwards write none they read. None: unknown."""
+    if mode == "decode":
+        return lens - 1
+    if mode in EXTENDS:
+        prefix = getattr(batch, "extend_prefix_lens_cpu", None)
+        return None if prefix is None or len(prefix) < lens.size else np.asarray(prefix[:lens.size], dtype=np.int64)
+    return lens
+
+
+def _launch(guard: Guard, state: Any, seen: readmap.Seen, table: torch.Tensor, batch: Any, size: int, mode: str,
+            high: int) -> None:
+    """The device path: one launch on the current stream, after the step kernel (no host sync)."""
+    prefix = getattr(batch, "extend_prefix_lens", None) if mode in EXTENDS else None
+    written = readkernel.WRITTEN_DECODE if mode == "decode" else readkernel.WRITTEN_NONE if mode not in EXTENDS \
+        else readkernel.WRITTEN_PREFIX if isinstance(prefix, torch.Tensor) else readkernel.WRITTEN_ANY
+    readkernel.launch(seen, table, batch.req_pool_indices, batch.seq_lens, size, mode in EXTENDS, state.live,
+                      state.record.tensor, guard.steps.counter(state.device), site_id(READ_LABEL), high, written,
+                      prefix if written == readkernel.WRITTEN_PREFIX else None)
+    if device.is_gpu(table):
+        state.order.probed(table.device)
+    guard.launched(state)  # its record is read at step boundaries
+
+
+def _host_rows(batch: Any, size: int) -> list:
+    """The batch's req_pool_indices as host ints: sglang's host copy, or a CPU tensor
+    (never a device read)."""
+    rows = getattr(batch, "req_pool_indices_cpu", None)
+    rows = batch.req_pool_indices if rows is None else rows
+    return rows[:size].tolist()
+
+
+def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
+    """Why this step's reads are not checked, or ""."""
+    if getattr(batch, "out_cache_loc_virtual", None) is not None:
+        return "forwards with out_cache_loc_virtual (req_to_token holds virtual ids)"
+    if getattr(batch, "rids", None) is None:
+        return "batches without request ids (sglang before 0.5)"
+    if table.device.type != "cpu" and not isinstance(getattr(batch, "req_pool_indices_cpu", None), torch.Tensor):
+        return "GPU batches without req_pool_indices_cpu (a row's new holder is told on the host)"
+    return ""
+
+
+def _report(guard: Guard, state: Any, finding: readmap.ReadFinding, high: int) -> None:
+    """The record of a host finding; `steps.where` names the reader, the position and the holder."""
+    record = Record(finding.bad, 1, site_id(READ_LABEL), -1, high, finding.bad, finding.numel, finding.position,
+                    finding.slot, guard.steps.number, finding.kind, finding.row, finding.seen, finding.owner)
+    guard.report_now(state, record)

@@ -1,0 +1,245 @@
+"""The read check (on with liveness), inside the forward step: sglang's ModelRunner.forward
+with the guard's hook, its real ForwardBatch, ReqToTokenPool, KV pool and token
+allocator, on the CPU. A slot a running request still reads that was freed, freed and
+handed to another request, or whose req_to_token entry was repointed, is reported at
+the first step that reads it, naming the reader, the position, the new holder and the
+slot's history; shared prefixes, a row's new request and a request's own slot given
+back and handed to it again (spec decoding's rolled-back positions) raise nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sglang_oobguard
+from helpers import mha, token_allocator
+from sglang_oobguard import KVOutOfBoundsError
+from test_stepmap import decode, step_runner
+
+
+
+@pytest.fixture
+def runner(mp, monkeypatch):
+    """test_stepmap's runner: sglang's ModelRunner with the guard's hook over a stand-in model loop."""
+    return step_runner(mp, monkeypatch)
+
+@pytest.fixture(params=["auto", "triton"])
+def engine(mp, guard, runner, request):
+    """Strict, liveness on; a runner over a real pool and its real allocator, the table empty.
+    auto: the host path; triton: the read kernel (and the step kernel), in Triton's interpreter."""
+    from sglang.srt.mem_cache import allocator
+
+    guard("strict", request.param, liveness=True)
+    pool = mha(mp, 64)
+    alloc = token_allocator(allocator, pool)
+    run, _ = runner(pool)
+    run.req_to_token_pool.req_to_token.zero_()
+    return run, alloc
+
+
+def admit(run, alloc, row: int, n: int, prefix: torch.Tensor = None) -> torch.Tensor:
+    """A request on `row`: `prefix` (shared slots) then n new slots, as sglang's prefill maps them."""
+    table = run.req_to_token_pool.req_to_token
+    new = alloc.alloc(n)
+    slots = new if prefix is None else torch.cat([prefix, new])
+    table[row, :slots.numel()] = slots.to(table.dtype)
+    return slots
+
+
+def step(run, alloc, lens: dict, rids: dict = None):
+    """One decode step: each row (row -> its seq_len after this step) gets a new slot."""
+    table = run.req_to_token_pool.req_to_token
+    for row, n in lens.items():
+        table[row, n - 1] = int(alloc.alloc(1)[0])
+    batch = decode(run, rows=tuple(lens), seq_lens=tuple(lens.values()))
+    if rids:
+        batch.rids = [rids.get(row, f"r{row}") for row in lens]
+    return run.forward(batch)
+
+
+def hand_out(alloc, wanted: torch.Tensor) -> torch.Tensor:
+    """The allocator hands out `wanted` (freed slots) again: everything free is taken, the rest given back."""
+    every = alloc.alloc(alloc.available_size())
+    keep = torch.isin(every, wanted.long())
+    alloc.free(every[~keep])
+    return every[keep]
+
+
+def line_of(function, text: str) -> int:
+    """The line of `function` that holds `text` (the call site a report must name)."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def evict(alloc, slots):
+    """Stands for a radix eviction under a running request: the frame the report must name."""
+    alloc.free(slots)
+
+
+def test_shared_prefixes_new_holders_and_a_requests_own_slot_again_raise_nothing(engine, caplog):
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    admit(run, alloc, 2, 2, prefix[:3])  # row 2 reads row 1's first 3 slots
+    for n in range(5, 8):
+        step(run, alloc, {1: n, 2: n})
+    table = run.req_to_token_pool.req_to_token
+    # a rolled-back position: row 1's last slot given back and handed to it again
+    last = table[1, 6:7].long()
+    alloc.free(last)
+    again = hand_out(alloc, last)
+    table[1, 6] = again.to(table.dtype)
+    run.forward(decode(run, rows=(1, 2), seq_lens=(7, 7)))  # row 1 rewrites position 6 (its own, new generation)
+    # the radix cache's dedup: row 2's own copy of position 3 freed, row 2 repointed to row 1's
+    alloc.free(table[2, 3:4].long())
+    table[2, 3] = table[1, 3]
+    step(run, alloc, {1: 8, 2: 8})
+    # row 2 finishes; its row holds a new request with the same prefix slots and fresh ones
+    alloc.free(table[2, 4:8].long())
+    admit(run, alloc, 2, 3, prefix[:3])
+    step(run, alloc, {1: 9, 2: 7}, rids={2: "next"})
+    sglang_oobguard.check()  # the kernel's record: nothing
+    assert "internal error" not in caplog.text and "read check skipped" not in caplog.text
+
+
+def test_a_prefix_slot_freed_and_handed_to_another_request_is_read_at_the_next_step(engine):
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[:2])  # the fault: row 1 still reads them
+    taken = hand_out(alloc, prefix[:2])  # another request is handed them
+    run.req_to_token_pool.req_to_token[3, :2] = taken.to(torch.int32)
+    run.forward(_extend(run, 3, taken))  # the new holder writes them: it owns them now
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6, 3: 3})
+        sglang_oobguard.check()  # the kernel's record (the host path raised already)
+    v = info.value.violation
+    assert (v.kind, v.request, v.owner, v.label) == ("read_reused", "r1", "r3", "req_to_token (read check)")
+    assert v.token in (0, 1) and v.value == int(prefix[v.token]) and v.owner_token is not None
+    freed_at = line_of(evict, "alloc.free")
+    assert v.freed_by.endswith(f"> evict (test_reads.py:{freed_at}) > TokenToKVPoolAllocator.free"), v.freed_by
+    assert v.allocated_by.endswith(f"> hand_out (test_reads.py:{line_of(hand_out, 'alloc.alloc')}) > "
+                                   "TokenToKVPoolAllocator.alloc"), v.allocated_by and v.read_generation < v.generation
+    text = str(info.value)
+    assert f"slot {v.value} at position {v.token} is read by its running request but was given back and handed " \
+           "out again" in text and "slot %d is held by request r3" % v.value in text
+    assert "; request r1 token" in text and "last freed at step" in text
+
+
+def test_a_slot_freed_under_its_reader_is_read_freed(engine):
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[2:3])
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6})
+        sglang_oobguard.check()
+    v = info.value.violation
+    assert (v.kind, v.request, v.token, v.value, v.owner) == ("read_freed", "r1", 2, int(prefix[2]), None)
+    assert "evict (test_reads.py:" in v.freed_by
+
+
+def test_a_repointed_entry_is_caught(engine):
+    """upstream's req_to_token perturbation: a live entry repointed to another request's slot."""
+    run, alloc = engine
+    admit(run, alloc, 1, 4)
+    other = admit(run, alloc, 2, 4)
+    step(run, alloc, {1: 5, 2: 5})
+    run.req_to_token_pool.req_to_token[1, 1] = int(other[3])
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6, 2: 6})
+        sglang_oobguard.check()
+    v = info.value.violation
+    assert (v.kind, v.request, v.token, v.value, v.owner, v.owner_token) == ("repointed", "r1", 1, int(other[3]),
+                                                                             "r2", 3)
+
+
+def _extend(run, row: int, slots: torch.Tensor):
+    """An extend of `slots` as row's whole prompt (prefix 0)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    n = slots.numel()
+    batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.zeros(n, dtype=torch.int64),
+                         req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([n]), out_cache_loc=slots.long(),
+                         seq_lens_sum=n, extend_seq_lens=torch.tensor([n]), extend_prefix_lens=torch.tensor([0]),
+                         extend_start_loc=torch.tensor([0]))
+    batch.seq_lens_cpu, batch.rids = torch.tensor([n]), [f"r{row}"]
+    batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu = [n], [0]
+    return batch
+
+
+def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard, runner, monkeypatch):
+    """Item 4: a writer that computes its own ids (not the step's out_cache_loc) and targets
+    another running request's slot at layer 1 is caught at that write, the holder named;
+    the same values in a tensor of its own pass."""
+    from helpers import Layer, model_runner_class
+
+    guard("strict")
+    pool = mha(mp)
+    run, _ = runner(pool)
+    target = int(run.req_to_token_pool.req_to_token[2, 0])  # r2's first token's slot
+    hooked = model_runner_class().__dict__["forward"]
+    layers_seen = []
+
+    def layers(self, batch, *args, **kwargs):
+        k = torch.ones(batch.out_cache_loc.numel(), 2, 4)
+        for layer in range(2):
+            own = batch.out_cache_loc.clone()  # ids of the writer's own: the same values
+            if layer == 1 and batch.batch_size == 3:
+                own[0] = target
+            self.token_to_kv_pool.set_kv_buffer(Layer(layer), own, k, k)
+            layers_seen.append(layer)
+        return "output"
+
+    monkeypatch.setattr(hooked, "__wrapped__", layers)
+    run.forward(decode(run, rows=(1,), seq_lens=(5,)))  # clean: its own copy of the step's slots
+    with pytest.raises(KVOutOfBoundsError) as info:
+        run.forward(decode(run))
+    v = info.value.violation
+    assert (v.kind, v.layer, v.value, v.owner, v.owner_token) == ("not_step", 1, target, "r2", 0)
+    assert "is not a slot this forward step's tokens write" in str(info.value)
+    assert layers_seen == [0, 1, 0]  # the bad write never ran
+
+
+def test_an_mla_pool_is_read_checked_alike(mp, guard, runner, monkeypatch):
+    """DeepSeek's pool kind: the read check reads req_to_token and the allocator's shadow,
+    never the pool's layout. (The model loop writes nothing here: the MLA buffers' shapes
+    are not the stand-in loop's.)"""
+    from helpers import model_runner_class
+    from sglang.srt.mem_cache import allocator
+
+    guard("strict", liveness=True)
+    pool = mp.MLATokenToKVPool(64, 1, torch.bfloat16, 16, 16, 2, "cpu", False)
+    alloc = token_allocator(allocator, pool)
+    run, _ = runner(pool)
+    monkeypatch.setattr(model_runner_class().__dict__["forward"], "__wrapped__", lambda self, batch, *a, **k: "output")
+    run.req_to_token_pool.req_to_token.zero_()
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[:1])
+    taken = hand_out(alloc, prefix[:1])
+    run.req_to_token_pool.req_to_token[3, :1] = taken.to(torch.int32)
+    run.forward(_extend(run, 3, taken))
+    with pytest.raises(KVOutOfBoundsError) as info:
+        step(run, alloc, {1: 6, 3: 2})
+    v = info.value.violation
+    assert (v.kind, v.pool, v.request, v.token, v.owner) == ("read_reused", "MLATokenToKVPool", "r1", 0, "r3")
+
+
+def test_a_slot_handed_back_to_its_own_reader_at_another_position_is_caught(engine):
+    """Its own row owns the slot again, but at the position it writes now, not the one it
+    read: two positions, one slot (the older read sees the new token's KV)."""
+    run, alloc = engine
+    prefix = admit(run, alloc, 1, 4)
+    step(run, alloc, {1: 5})
+    evict(alloc, prefix[1:2])
+    again = hand_out(alloc, prefix[1:2])
+    table = run.req_to_token_pool.req_to_token
+    table[1, 5] = again.to(table.dtype)
+    with pytest.raises(KVOutOfBoundsError) as info:
+        run.forward(decode(run, rows=(1,), seq_lens=(6,)))  # writes position 5 with that slot
+        sglang_oobguard.check()
+    v = info.value.violation
+    assert (v.kind, v.request, v.token, v.value, v.owner, v.owner_token) == ("read_reused", "r1", 1, int(prefix[1]),
+                                                                             "r1", 5)
