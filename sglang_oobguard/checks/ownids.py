@@ -30,6 +30,7 @@ class StepIds(NamedTuple):
     passed: Optional[torch.Tensor]  # the step check's cleaned copy, when it made one
     values: np.ndarray  # the step's slots, sorted
     page: int
+    clean: dict[int, torch.Tensor]  # id -> the ids tensors found clean this step (every layer writes the same)
 
 
 def remember(guard: Guard, pool: Any, given: torch.Tensor, passed: Optional[torch.Tensor]) -> None:
@@ -37,7 +38,7 @@ def remember(guard: Guard, pool: Any, given: torch.Tensor, passed: Optional[torc
     guard.calls.step_ids = None
     if given.device.type == "cpu" and guard.on_host(given):
         kept = given if passed is None else passed  # contained ids (sent to slot 0) are no step's slots
-        guard.calls.step_ids = StepIds(pool, given, passed, np.unique(kept.numpy()), int(pool.page_size))
+        guard.calls.step_ids = StepIds(pool, given, passed, np.unique(kept.numpy()), int(pool.page_size), {})
 
 
 def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, layer: Callable[[], int]) -> None:
@@ -45,10 +46,13 @@ def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, laye
     step = guard.calls.step_ids
     if step is None or step.pool is not pool or loc is step.given or loc is step.passed or loc.device.type != "cpu":
         return
+    if step.clean.get(id(loc)) is loc:
+        return
     ids = loc.reshape(-1).numpy()
     pos = np.searchsorted(step.values, ids).clip(0, max(step.values.size - 1, 0))
     bad = (ids >= step.page) & (ids < high) & ((step.values.size == 0) | (step.values.take(pos) != ids))
     if not bad.any():
+        step.clean[id(loc)] = loc
         return
     first = int(np.argmax(bad))
     value = int(ids[first])

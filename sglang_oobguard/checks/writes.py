@@ -136,15 +136,16 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
+        ids = head if type(head) is torch.Tensor else getattr(head, "loc", None)  # a KVWriteLoc: its loc
         try:  # the fast path checks ids only: with the value check on, every write takes the full one
-            fast = _on_host_fast(guard, instance, head, head_high) \
-                if lean and not guard.config.finite and type(head) is torch.Tensor else None
+            fast = _on_host_fast(guard, instance, ids, head_high) \
+                if lean and not guard.config.finite and type(ids) is torch.Tensor else None
         except Exception:  # the full check below says what went wrong
             fast = None
         if fast is not None:
-            if fast is not head:  # the step check's cleaned copy
-                args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, fast)
-                head = fast
+            if fast is not ids:  # the step check's cleaned copy
+                head = fast if head is ids else dataclasses.replace(head, loc=fast)
+                args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, head)
             calls.current = (instance, method, head)
             try:
                 return wrapped(*args, **kwargs)
