@@ -28,7 +28,7 @@ import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
 from pathlib import Path
 
-PARTS = ("install", "env", "tests", "bench", "engine")  # engine: bench/engine.py (issue 24)
+PARTS = ("install", "env", "tests", "bench", "reads", "engine")  # reads: issue 33; engine: issue 24
 POOL_MODULES = ("sglang.srt.mem_cache.memory_pool", "sglang.srt.mem_cache.allocator",
                 "sglang.srt.utils.async_probe", "sglang.srt.model_executor.runner")
 VERSIONS = ("torch", "triton", "transformers", "numpy", "sglang", "apache-tvm-ffi", "pydantic", "typing_extensions",
@@ -143,6 +143,16 @@ def bench_text(work: Path) -> str:
     return log[start:].strip() if start >= 0 else ""
 
 
+def reads_text(work: Path) -> str:
+    """bench/history_reads.py --gpu's table (or its line that no GPU was there)."""
+    log = (work / "reads.log").read_text(errors="replace") if (work / "reads.log").exists() else ""
+    for marker in ("| batch | context |", "read kernel: no CUDA device"):
+        start = log.find(marker)
+        if start >= 0:
+            return log[start:].strip()
+    return ""
+
+
 def engine_text(work: Path) -> str:
     """bench/engine.py's table as it printed it (or its dry run's plan, or why it was skipped)."""
     log = (work / "engine.log").read_text(errors="replace") if (work / "engine.log").exists() else ""
@@ -166,14 +176,14 @@ def cmd_write(args: argparse.Namespace) -> int:
               "parts": parts, "env": loaded.get("env"), "tests": tests, "bench": loaded.get("bench"),
               "engine": loaded.get("engine")}
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(markdown(report, bench_text(work), engine_text(work)))
+    (out / "report.md").write_text(markdown(report, bench_text(work), engine_text(work), reads_text(work)))
     print(f"gpu-check: report in {out}/report.md and report.json")
     for p in parts:
         print(f"  {p['name']:8s} {p['status']:8s} rc={p['rc']} {p['seconds']:.1f} s")
     return 0
 
 
-def markdown(report: dict, bench: str, engine: str = "") -> str:
+def markdown(report: dict, bench: str, engine: str = "", reads: str = "") -> str:
     title = "GPU check (DRY RUN on a CPU: nothing here is a GPU result)" if report["dry_run"] else "GPU check"
     lines = [f"# {title}, {report['when']}", ""]
     if report["env"]:
@@ -192,6 +202,8 @@ def markdown(report: dict, bench: str, engine: str = "") -> str:
             lines.append(f"| {c['name']} | {c['outcome']} | {c['time']:.2f} | {detail} |")
     if bench:
         lines += ["", "## Benchmark (bench/gpu_probe.py)", "", bench]
+    if reads:
+        lines += ["", "## Read kernel (bench/history_reads.py --gpu)", "", reads]
     if engine:
         lines += ["", "## Engine benchmark (bench/engine.py --device cuda)", "", engine]
     for p in report["parts"]:

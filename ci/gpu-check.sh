@@ -11,6 +11,7 @@
 #   env      bench/gpu_report.py env: GPU, versions, pool imports, sglang's JIT kernel
 #   tests    pytest tests/test_gpu.py tests/test_gpu_observer.py tests/test_gpu_timing.py -v, junit xml
 #   bench    bench/gpu_probe.py --json
+#   reads    bench/history_reads.py --gpu: the read kernel per step, batch 1-256 x context 512-8k
 #   engine   bench/engine.py --device cuda (a real sgl_kernel only)
 # then bench/gpu_report.py write: report.md, report.json (plus junit.xml, env.json,
 # bench.json) in OOBGUARD_GPU_REPORT_DIR, else $OUT, else bench/results/.
@@ -62,6 +63,7 @@ fi
 part env 70 "$python" bench/gpu_report.py env --json "$out/env.json"
 part tests 170 "$python" -m pytest tests/test_gpu.py tests/test_gpu_observer.py tests/test_gpu_timing.py -v --junitxml "$out/junit.xml"
 part bench 110 "$python" bench/gpu_probe.py "${bench_args[@]}" --json "$out/bench.json"
+part reads 60 "$python" bench/history_reads.py --gpu  # the read kernel's time per step (issue 33); no GPU: says so
 
 # Engine benchmark (issue 24): the real sglang Engine on the GPU with sglang's defaults
 # (CUDA graphs and the overlap scheduler on), off / upstream's probe alone / the guard

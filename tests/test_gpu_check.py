@@ -36,9 +36,9 @@ def test_every_part_is_reported_with_its_result(report):
     data = json.loads((out / "report.json").read_text())
     assert data["dry_run"] is True
     parts = {p["name"]: p for p in data["parts"]}
-    assert list(parts) == ["install", "env", "tests", "bench", "engine"]
+    assert list(parts) == ["install", "env", "tests", "bench", "reads", "engine"]
     assert (parts["install"]["status"], parts["install"]["rc"]) == ("skip", None)
-    for name in ("env", "tests", "bench", "engine"):
+    for name in ("env", "tests", "bench", "reads", "engine"):
         assert (parts[name]["status"], parts[name]["rc"]) == ("pass", 0), parts[name]["tail"]
         assert parts[name]["seconds"] > 0 and sys.executable in parts[name]["command"]
 
@@ -97,3 +97,10 @@ def test_the_engine_benchmark_plans_sglang_defaults_on_the_gpu(report):
     assert "device" not in options and "disable_cuda_graph" not in options  # sglang's defaults on a GPU
     assert "disable_overlap_schedule" not in options and options["cuda_graph_max_bs"] == 8
     assert "SGLANG_PLUGINS=faultinject" in section
+
+
+def test_the_read_kernel_part_says_what_it_timed(report):
+    out, _ = report
+    md = (out / "report.md").read_text()
+    section = md[md.index("## Read kernel (bench/history_reads.py --gpu)"):]
+    assert "read kernel: no CUDA device here" in section  # a dry run on a CPU times nothing, and says so
