@@ -130,7 +130,9 @@ def test_a_slot_freed_in_the_draft_path_is_caught_and_contained(model, clean, al
         assert run.returncode == 0 and run.result and len(run.result["outputs"]) == 4, run.log[-3000:]
         assert re.search(rf"write contained \(the write got a copy with those ids sent to padding slot 0\): {report}",
                          run.log), run.log[-3000:]
-        assert re.search(rf"free_index\[\d+\] = {slot} is not allocated \(double free\)", run.log)
+        # the request's own free of the slot, when it came before the engine shut down (the result is streamed
+        # first: under load the shutdown can win), is a double free
+        assert set(re.findall(rf"free_index\[\d+\] = {slot} is not allocated \(([\w ]+)\)", run.log)) <= {"double free"}
         assert "memory leak" not in run.log
         differ = [i for i, (got, want) in enumerate(zip(run.result["outputs"], reference)) if got != want]
         assert differ in ([], [0])  # only the faulted request may differ

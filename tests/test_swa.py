@@ -4,6 +4,7 @@ bounded and tracked; every report names the SWA pool, the id space and the model
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -201,7 +202,9 @@ def test_deepseek_v4_leaf_pools_bound_their_token_ids_before_sglang_writes(guard
     if method == "set_key_buffer_fused":
         pool, payload = dsv4.DeepSeekV4SingleKVPool(64, 64, torch.float8_e4m3fn, 448, 64, 1, "cpu", False), ()
     else:
-        pool = dsv4.DeepSeekV4IndexerPool(64, 64, torch.float8_e4m3fn, 128, 1, "cpu", False, use_fp4_indexer=False)
+        takes_fp4 = "use_fp4_indexer" in inspect.signature(dsv4.DeepSeekV4IndexerPool).parameters  # later releases
+        pool = dsv4.DeepSeekV4IndexerPool(64, 64, torch.float8_e4m3fn, 128, 1, "cpu", False,
+                                          **({"use_fp4_indexer": False} if takes_fp4 else {}))
         payload = () if method == "set_index_fused" else (torch.zeros(1),)
     rows = 128  # ceil((64 + 64) / 64) pages of 64
     with pytest.raises(KVOutOfBoundsError, match=rf"{method} \({type(pool).__name__}\) layer 0: 1 of 1 slot ids "

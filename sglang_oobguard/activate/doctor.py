@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import site
 import sys
@@ -13,13 +14,24 @@ from typing import Any
 
 from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
-from ..model.finite import UNSEEN, VALUE_DTYPES, WRITER_VALUES
+from ..model.finite import UNSEEN, VALUE_DTYPES, WRITER_VALUES, stored_values
 from ..model.quiet import quiet
 from ..model.swatargets import FAMILIES
 from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED,
                              is_supported, module_file, version_of_sglang, write_map_off)
 from ..model.transfertargets import DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
 from ..model.violation import site_label
+
+
+def _stored(writer: Any) -> tuple[tuple[int, str], ...]:
+    """The values the guard reads of a fused writer here: by the signature of the first
+    module that defines it (the table's, where no module imports)."""
+    for module in writer.modules:
+        function = getattr(sys.modules.get(module), writer.function, None)
+        if function is not None:
+            inner = getattr(function, "__wrapped__", function)
+            return stored_values(writer.function, list(inspect.signature(inner).parameters))
+    return WRITER_VALUES.get(writer.function, ())
 
 
 def run() -> int:
@@ -109,14 +121,15 @@ def _outside_pools() -> list[str]:
              "  a layer's write with ids of its own (not the step's out_cache_loc): each id a slot of the step's "
              "tokens (CPU ids)",
              "  the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live "
-             "and of the generation it first read (host path on CPU tensors, one launch on a GPU)",
+             "and of the generation it first read (host path on CPU tensors, one launch on a GPU); where the write "
+             "map runs (" + (write_map_off() or "on here") + ")",
              "  slot history, with liveness: each report names the slot's last free and allocation (step, call "
              "site) and generation",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]
     for writer in FUSED_WRITERS:
         states = [found(module, "", writer.function) for module in writer.modules]
         here = next((state for state in states if state.startswith("found")), states[0])
-        values = ", ".join(name for _, name in WRITER_VALUES.get(writer.function, ())) or "NOT seen"
+        values = ", ".join(name for _, name in _stored(writer)) or "NOT seen"
         lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}; values: {values}")
     from ..checks.transfer import HOOK_ROLES, NO_DRAIN  # needs torch: imported after _inspect checked for it
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..model.finite import WRITER_VALUES
+from ..model.finite import stored_values
 from ..model.targets import Writer
 from ..model.violation import site_id
 from ..probes import device
@@ -47,7 +47,7 @@ def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., An
     per_row_default = None if writer.per_row is None else \
         inspect.signature(function).parameters[writer.per_row[1]].default
     holders: dict[tuple[torch.device, int], WriterSite] = {}
-    stored_at = WRITER_VALUES.get(writer.function, ())  # the arguments whose values it stores
+    stored_at = stored_values(writer.function, list(inspect.signature(function).parameters))  # values it stores
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         pending = None

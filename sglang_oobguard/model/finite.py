@@ -25,3 +25,11 @@ UNSEEN: dict[str, str] = {
     "fused_fp8_set_kv_buffer": "its value arguments were not read from 0.5.10 - 0.5.12 for this check",
     "fused_k_indexer_norm_rope_store": "it stores the LayerNorm + RoPE of its input, made inside the kernel",
 }
+
+
+def stored_values(function: str, names: list[str]) -> tuple[tuple[int, str], ...]:
+    """The table's (position, name) pairs for `function`, where its signature (`names`, its
+    parameters in order) has each name at its position; a release whose signature differs
+    gets none: its values are not seen (`doctor` says so), never read at a wrong place."""
+    table = WRITER_VALUES.get(function, ())
+    return table if all(at < len(names) and names[at] == name for at, name in table) else ()
