@@ -47,9 +47,9 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
     key = None
     if capturing or calls.depth:
         key = memo_key(pool, high, param, loc, lens, live is not None)
-        hit = calls.memo.get(key)
-        if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for.get(hit[3]) is loc):
-            return hit[1]
+        served = _memoized(calls.memo, key, state, loc)
+        if served is not None:
+            return served
     if host:
         passed = _scan(guard, state, site, loc, high, layer, lens, live)
         where = -1
@@ -59,6 +59,15 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
     if key is not None:  # a copy in the pool's buffer serves only while no other ids overwrote it
         calls.memo[key] = (loc, passed, passed is not loc and where >= 0, where)
     return passed
+
+
+def _memoized(memo: dict, key: tuple, state: PoolState, loc: torch.Tensor) -> Optional[torch.Tensor]:
+    """What this step already gave these very ids, or None: a copy in the pool's buffer
+    serves only while no other ids overwrote it."""
+    hit = memo.get(key)
+    if hit is not None and hit[0] is loc and (not hit[2] or state.copied_for.get(hit[3]) is loc):
+        return hit[1]
+    return None
 
 
 def _scan(guard: Guard, state: PoolState, site: int, loc: torch.Tensor, high: int, layer: Callable[[], int],
@@ -103,8 +112,7 @@ def _on_host_fast(guard: Guard, pool: Any, loc: torch.Tensor, high_of: Callable[
         return None
     high = high_of(pool)
     if guard.calls.depth:
-        hit = guard.calls.memo.get(memo_key(pool, high, 0, loc, None, state.live is not None))
-        return hit[1] if hit is not None and hit[0] is loc and not hit[2] else None
+        return _memoized(guard.calls.memo, memo_key(pool, high, 0, loc, None, state.live is not None), state, loc)
     if state.live is None and hostscan.scan_host(loc, high) is None:
         return loc
     return None
