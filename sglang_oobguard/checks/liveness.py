@@ -72,9 +72,10 @@ class Call:
 def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     result = call()
     if isinstance(result, torch.Tensor) and state.live is not None:
-        if result.numel() and guard.on_host(result):  # a live page handed out again (the GPU path: not yet)
+        host = guard.on_host(result)
+        if result.numel() and host:  # a live page handed out again (the GPU path: not yet)
             checked(guard, lambda: check_hand_out(guard, state, site, result))
-        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result, call.event)))
+        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result, call.event, host)))
     return result
 
 
@@ -235,7 +236,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         if finding is not None:  # strict and raise: raised before the allocator took the ids
             guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True))
             contained = hostscan.live_only(ids, high, live)
-        shadow.release(live, ids, event)
+        shadow.release(live, ids, event, host=True)
         return contained
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT

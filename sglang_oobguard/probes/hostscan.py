@@ -159,7 +159,11 @@ def scan_handed_out(ids: torch.Tensor, live: Live) -> Optional[Finding]:
     """The check of a hand-out, before its pages are marked: an id that opens a page
     (offset 0: a page the allocator just took off its free list; the other ids may
     continue a request's last page) must find that page not live. None when so."""
-    if live.host is not None and ids.device.type == "cpu":  # the fast answer for a clean hand-out
+    if live.host is not None and ids.is_cpu:  # the fast answer for a clean hand-out
+        if ids.numel() <= _HOST_LIST_MAX:
+            page, high, flags = live.page, live.high, live.host
+            if not any(flags[i // page] for i in ids.reshape(-1).tolist() if page <= i < high and not i % page):
+                return None
         host = ids.reshape(-1).numpy()
         opens = host[(host >= live.page) & (host < live.high) & (host % live.page == 0)]
         if not np.frombuffer(live.host, dtype=np.int32)[opens // live.page].any():
