@@ -34,6 +34,7 @@ from ..probes import hostscan
 from ..probes.pools import NAME_ATTR, SITES_ATTR, STATE_ATTR
 from ..probes.record import Record
 from ..probes.shadow import Live
+from .claims import SWA_OF_ATTR, full_slots_of, sides
 from .guard import Guard
 from .liveness import Call, checked, counted
 from .owners import find_owner
@@ -55,6 +56,8 @@ def name_spaces(guard: Guard, pool: Any) -> None:
         state = part.__dict__.get(STATE_ATTR)
         if state is not None:
             state.pool_name = name
+        if sub == SWA_SUBPOOL:
+            guard.mark(part, SWA_OF_ATTR, pool)  # its hand-out reports find the holder through the mapping
 
 
 def make_mapping_hook(guard: Guard) -> Callable[..., Any]:
@@ -147,8 +150,9 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
         kind = Kind.DOUBLE_FREE if 0 <= value < live.high else Kind.BOUNDS
     count = int(either.sum())
     site = free_site_id(f"{method} ({type(allocator).__name__})", "free_index")
-    guard.report_now(state, Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number,
-                                   kind, expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1))
+    record = Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number, kind,
+                    expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
+    guard.report_now(state, record, **sides(guard, full_slots_of(None, value, page) if value >= 0 else []))
     return flat[~either]
 
 

@@ -11,8 +11,10 @@ torch_native's, through the pool's own `translate_loc_from_full_to_swa`, on SWA 
 only (those called with a sliding window). It changes reads, never a write, so the
 guard sees exactly sglang's writes.
 
-`OOBGUARD_FAULT=site=swa,step=N,value=double|handout`, on the first decode forward from
-the Nth on where a token opens a page (so the page is its own request's alone):
+`OOBGUARD_FAULT=site=swa,step=N,value=double|handout|double+handout`, on the first decode
+forward from the Nth on where a token opens a page (so the page is its own request's alone);
+`double+handout`: the double free there, the hand-out at the first such forward from
+the (N + AFTER)th on, on another request's page (one warn-mode run serves both):
 - `double`: that token's page goes back to the SWA free list twice, through sglang's own
   `SWATokenToKVPoolAllocator.free_swa_segment` (an SWA page freed twice);
 - `handout`: that token's live SWA page is put at the head of the SWA sub-allocator's free
@@ -28,7 +30,8 @@ import sys
 import torch
 
 _decodes = [0]
-_done: list[int] = []  # the decode the fault was applied on (once per process)
+_done: list[tuple[int, str]] = []  # (decode, rid) of each fault applied, once per fault per process
+AFTER = 10  # double+handout: decodes between the two faults
 
 
 def _translated(instance, args: tuple, kwargs: dict) -> tuple:
@@ -59,24 +62,27 @@ def fault(spec: dict[str, str], runner, batch) -> None:
     _decodes[0] += 1
     allocator = runner.token_to_kv_pool_allocator
     page = int(allocator.page_size)
-    opens = (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a token on a page of its own request
-    if step < int(spec["step"]) or _done or not opens:
+    values = spec["value"].split("+")
+    rids = getattr(batch, "rids", None) or [None] * batch.out_cache_loc.numel()
+    opens = [t for t in (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a page of its own request
+             if rids[t] not in {rid for _, rid in _done}]
+    if len(_done) >= len(values) or not opens or step < (_done[-1][0] + AFTER if _done else int(spec["step"])):
         return
-    _done.append(step)
+    value = values[len(_done)]
     token = opens[0]
+    _done.append((step, rids[token]))
     full = int(batch.out_cache_loc[token])
     swa = int(allocator.translate_loc_from_full_to_swa(batch.out_cache_loc[token:token + 1])[0])
-    rid = batch.rids[token] if getattr(batch, "rids", None) else None
-    print(f"oobguard_faultinject: swa {spec['value']} at decode {step}: token {token} (rid {rid}) full slot {full}, "
+    print(f"oobguard_faultinject: swa {value} at decode {step}: token {token} (rid {rids[token]}) full slot {full}, "
           f"SWA slot {swa} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    if spec["value"] == "double":
+    if value == "double":
         base = full - full % page
         segment = torch.arange(base, base + page, dtype=batch.out_cache_loc.dtype)
         allocator.free_swa_segment(segment, start_pos=0)
         allocator.free_swa_segment(segment, start_pos=0)
-    elif spec["value"] == "handout":
+    elif value == "handout":
         sub = allocator.swa_attn_allocator
         back = torch.tensor([swa // page], dtype=sub.free_pages.dtype)
         sub.free_pages = torch.cat([back, sub.free_pages])
     else:
-        raise ValueError(f"OOBGUARD_FAULT: site=swa takes value=double or value=handout, not {spec['value']!r}")
+        raise ValueError(f"OOBGUARD_FAULT: site=swa takes value=double, handout or double+handout, not {value!r}")
