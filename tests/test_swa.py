@@ -270,7 +270,8 @@ def served(swa, monkeypatch):
             loc = alloc(allocator, n)
             run.req_to_token_pool.req_to_token[row, :n] = loc.to(torch.int32)
             reqs[row] = req = Req(rid, "", [1] * n, SamplingParams())
-            req.kv.req_pool_idx = row
+            if hasattr(req, "kv"):  # ReqKvInfo: the row sglang's out-of-window free reads
+                req.kv.req_pool_idx = row
             return req, loc
 
         def step() -> None:
@@ -291,6 +292,7 @@ def served(swa, monkeypatch):
 
 def evict_out_of_window(run, allocator, req, page_size: int, seq_len: int) -> None:
     """sglang's own out-of-window SWA free for `req` (mem_cache.common), window 1."""
+    needs("free_swa_out_of_window_slots", "ReqKvInfo")
     from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
 
     free_swa_out_of_window_slots(req, seq_len, sliding_window_size=1, page_size=page_size,
@@ -382,3 +384,20 @@ def test_the_door_names_the_request_whose_swa_slot_another_token_writes(served, 
                   rf"SWA slot \(its full slot maps to \d+\); slot {int(theirs[0])} is held by request rB token 0",
                   lambda: write(pool, allocator, mine, 2, swa_loc=theirs))
     assert (info.violation.owner, info.violation.owner_token) == ("rB", 0)
+
+
+def test_warn_mode_contains_a_segment_freed_twice_to_its_good_pages(swa):
+    """A segment free keeps its contract (whole pages from a page-aligned start): the page
+    freed already is left out, the other page goes back, nothing reaches a free list twice."""
+    pool, allocator = swa("warn", 4)
+    loc = alloc(allocator, 8)
+    allocator.free_swa_segment(loc[:4], start_pos=0)
+    before = allocator.swa_available_size()
+    allocator.free_swa_segment(loc, start_pos=0)  # page 1 again (reported), page 2 for the first time
+    [violation] = sglang_oobguard.violations()
+    assert (violation.kind, violation.value, violation.label) == ("unmapped", int(loc[0]),
+                                                                 "free_swa_segment (SWATokenToKVPoolAllocator)")
+    assert allocator.swa_available_size() == before + 4
+    free = allocator.swa_attn_allocator.free_pages.tolist()
+    assert len(free) == len(set(free)) and 0 not in free
+    assert not allocator.full_to_swa_index_mapping[loc].any()

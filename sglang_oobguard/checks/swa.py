@@ -89,7 +89,7 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         ids = call.ids
         if isinstance(ids, torch.Tensor) and ids.numel() and guard.on_host(ids):
             contained = checked(guard, lambda: check_free(guard, instance, target.method, spec, ids))
-            if contained is not None and spec.contained:
+            if contained is not None:
                 call.ids = contained
         return counted(guard, instance, FAMILY, call)
 
@@ -116,7 +116,9 @@ def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec:
 
 def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: torch.Tensor) -> Optional[torch.Tensor]:
     """Check one SWA free in the full id space; report its first bad id. Returns the
-    good ids (warn mode's containment) when some were bad, else None."""
+    good ids (warn mode's containment) when some were bad, else None: a segment keeps
+    its whole good pages (upstream reads a segment's pages at [::page_size] from its
+    page-aligned start), a set its good ids."""
     pool = allocator.__dict__.get("_kvcache")
     full = None if pool is None else pool.__dict__.get(FULL_SUBPOOL)
     state = None if full is None else full.__dict__.get(STATE_ATTR)
@@ -153,6 +155,9 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
     record = Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number, kind,
                     expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
     guard.report_now(state, record, **sides(guard, full_slots_of(None, value, page) if value >= 0 else []))
+    if spec.segment:
+        chunks = torch.arange(flat.numel()) // page
+        either = torch.zeros(int(chunks[-1]) + 1, dtype=torch.bool).index_put_((chunks,), either, accumulate=True)[chunks]
     return flat[~either]
 
 

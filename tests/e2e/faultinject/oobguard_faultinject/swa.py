@@ -30,8 +30,8 @@ import sys
 import torch
 
 _decodes = [0]
-_done: list[tuple[int, str]] = []  # (decode, rid) of each fault applied, once per fault per process
-AFTER = 10  # double+handout: decodes between the two faults
+_done: list[tuple[int, str, int]] = []  # (decode, rid, SWA page) of each fault applied, once each per process
+AFTER = 2  # double+handout: decodes between the two faults
 
 
 def _translated(instance, args: tuple, kwargs: dict) -> tuple:
@@ -64,15 +64,15 @@ def fault(spec: dict[str, str], runner, batch) -> None:
     page = int(allocator.page_size)
     values = spec["value"].split("+")
     rids = getattr(batch, "rids", None) or [None] * batch.out_cache_loc.numel()
-    opens = [t for t in (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a page of its own request
-             if rids[t] not in {rid for _, rid in _done}]
+    swa_ids = allocator.translate_loc_from_full_to_swa(batch.out_cache_loc).tolist()
+    opens = [t for t in (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a page of its own request,
+             if rids[t] not in {rid for _, rid, _ in _done} and swa_ids[t] // page not in {p for _, _, p in _done}]
     if len(_done) >= len(values) or not opens or step < (_done[-1][0] + AFTER if _done else int(spec["step"])):
-        return
+        return  # (the second fault: on another request and another SWA page than the first's)
     value = values[len(_done)]
     token = opens[0]
-    _done.append((step, rids[token]))
-    full = int(batch.out_cache_loc[token])
-    swa = int(allocator.translate_loc_from_full_to_swa(batch.out_cache_loc[token:token + 1])[0])
+    full, swa = int(batch.out_cache_loc[token]), swa_ids[token]
+    _done.append((step, rids[token], swa // page))
     print(f"oobguard_faultinject: swa {value} at decode {step}: token {token} (rid {rids[token]}) full slot {full}, "
           f"SWA slot {swa} (pid {os.getpid()})", file=sys.stderr, flush=True)
     if value == "double":
