@@ -8,7 +8,7 @@ are evicted and requests retracted. SWA faults are injected by the fault plugin
 Every run reads SWA layers through the test-only patch of torch_native's SWA reads
 (OOBGUARD_SWA_READS, see oobguard_faultinject.swa): without it sglang's CPU path
 reads SWA rows at full-pool ids. One engine per scenario; page size 1 and 4 only
-where the allocators differ (the clean runs)."""
+where the allocators differ (the clean runs); one warn-mode run serves both faults."""
 
 from __future__ import annotations
 
