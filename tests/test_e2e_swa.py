@@ -94,16 +94,18 @@ def test_a_live_swa_page_handed_to_another_request_is_reported_at_the_hand_out_n
     assert run.result is None and not run.leftovers
 
 
-def test_warn_mode_reports_both_swa_faults_with_both_requests_and_keeps_the_others(mellum, swa_clean):
-    """One warn-mode run, two faults: a live SWA page handed to another request (decode 5 on),
-    then an SWA page freed twice (2 decodes later, another request's page): each reported,
-    naming the slot, the id space and both requests; the untouched requests' outputs are the
-    clean run's, and the engine finishes (the harness's timeout kills a hang)."""
+def test_warn_mode_reports_each_swa_fault_with_both_requests_and_keeps_the_others(mellum, swa_clean):
+    """One warn-mode run, three faults, each 2 decodes after the last on other requests: a live
+    SWA page handed to another request (decode 5 on), an SWA page freed twice, and one forward
+    whose token writes another request's SWA slot (the backend's translated ids crossed): each
+    reported, naming the slot, the id space and both requests; the untouched requests' outputs
+    are the clean run's, and the engine finishes (the harness's timeout kills a hang)."""
     run = run_engine(mellum, {**STRICT, "SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0",
-                              "OOBGUARD_FAULT": "site=swa,step=5,value=handout+double"}, workload="swa",
+                              "OOBGUARD_FAULT": "site=swa,step=5,value=handout+double+door"}, workload="swa",
                      options=("page=4",), timeout=TIMEOUT)
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    [(_, _, held_rid, _, swa), (_, _, freed_rid, full, _)] = FAULT.findall(run.log)
+    [(_, _, held_rid, _, swa), (_, _, freed_rid, full, _), (_, _, writer, _, crossed)] = FAULT.findall(run.log)
+    [owner] = re.findall(r"swa door at decode .*; owner rid (\w+)\)", run.log)
     lines = sglang_lines(run)
     double = next((line for line in lines if "has no SWA slot mapped" in line), "")
     assert (f"free_swa_segment (SWATokenToKVPoolAllocator): free_index[0] = {full} has no SWA slot mapped" in double
@@ -113,7 +115,13 @@ def test_warn_mode_reports_both_swa_faults_with_both_requests_and_keeps_the_othe
     found = re.search(HELD + "; " + FOR.format(call="hand-out") + r" \(pool SWAKVPool\.swa_kv_pool \(SWA ids\)\)",
                       handout)
     assert found and int(found[1]) // 4 == int(swa) // 4 and found[2] == held_rid != found[3], lines
+    door = next((line for line in lines if "at SWAKVPool's door" in line), "")
+    assert re.search(rf"set_kv_buffer \(SWAKVPool\) swa_loc layer \d+: loc\[\d+\] = {crossed} is not this token's SWA "
+                     rf"slot \(its full slot maps to \d+\); slot {crossed} is held by request {owner} token \d+"
+                     rf"( \(\d+ of \d+ ids bad\))? \(pool SWAKVPool\.swa_kv_pool \(SWA ids\) at SWAKVPool's door\); "
+                     rf"step \d+ \(decode, batch \d+\); request {writer} token \d+", door), lines
     changed = [i for i, (got, want) in enumerate(zip(run.result["outputs"], swa_clean[4])) if got != want]
-    # the page freed twice (its holder, and whoever got the page meanwhile), the page handed out (holder, receiver)
-    assert len(changed) <= 4, changed
+    # the page handed out (holder, receiver), the page freed twice (its holder, whoever got the page meanwhile);
+    # the crossed write is contained (sent to padding slot 0): only its writer's token is lost
+    assert len(changed) <= 5, changed
     assert not run.leftovers

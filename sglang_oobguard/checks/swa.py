@@ -156,8 +156,9 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
                     expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
     guard.report_now(state, record, **sides(guard, full_slots_of(None, value, page) if value >= 0 else []))
     if spec.segment:
-        chunks = torch.arange(flat.numel()) // page
-        either = torch.zeros(int(chunks[-1]) + 1, dtype=torch.bool).index_put_((chunks,), either, accumulate=True)[chunks]
+        chunks = torch.arange(flat.numel()) // page  # a page with a bad id stays out whole
+        either = torch.zeros(int(chunks[-1]) + 1, dtype=torch.bool).index_put_((chunks,), either, accumulate=True)
+        either = either[chunks]
     return flat[~either]
 
 
