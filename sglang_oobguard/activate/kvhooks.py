@@ -10,14 +10,17 @@ from types import ModuleType
 from typing import Any, Callable
 
 from ..checks.hicache import make_wrapper as make_hicache_wrapper
+from ..checks.hiloads import make_hook as make_load_hook
 from ..checks.transfer import make_hook as make_transfer_hook
 from ..checks.guard import Guard
 from ..model.log import logger
 from ..model.targets import module_file
-from ..model.transfertargets import HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS, TRANSFER_MODULES
+from ..model.transfertargets import (HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS,
+                                     TRANSFER_MODULES)
 
 Wrap = Callable[[Any, str, Callable[..., Any]], None]  # (owner, attribute, wrapt wrapper)
-MODULES = (*TRANSFER_MODULES, *(where for where, _ in HICACHE_POOLS))
+MODULES = (*TRANSFER_MODULES, *(where for where, _ in HICACHE_POOLS),
+           *dict.fromkeys(where for where, *_ in HICACHE_LOAD_HOOKS))
 
 
 def hook(module: ModuleType, guard: Guard, wrap: Wrap) -> None:
@@ -38,6 +41,10 @@ def hook(module: ModuleType, guard: Guard, wrap: Wrap) -> None:
         for method, what in HICACHE_METHODS if cls is not None else ():
             if method in cls.__dict__:
                 wrap(cls, method, make_hicache_wrapper(method, what, guard))
+    for where, owner, method, kind in HICACHE_LOAD_HOOKS:  # what the loads are for (a release without: unnamed)
+        cls = getattr(module, owner, None) if where == module.__name__ else None
+        if cls is not None and method in cls.__dict__:
+            wrap(cls, method, make_load_hook(kind, guard))
 
 
 def absent() -> list[tuple[str, str]]:

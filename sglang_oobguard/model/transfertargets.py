@@ -24,3 +24,8 @@ DRAIN_SIGNAL, DRAIN_ARMED = "is_abort_release_safe", "enable_deferred_decode_kv_
 HICACHE_POOLS = (("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost"),
                  ("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost"))
 HICACHE_METHODS = (("load_to_device_per_layer", "host->device load"), ("backup_from_device_all_layer", "device->host backup"))
+# What a HiCache load is for (`checks.hiloads`): the load-backs a controller starts, the request that
+# asked for a tree node's load-back, a retracted request's restore into its own row.
+HICACHE_LOAD_HOOKS = (("sglang.srt.managers.cache_controller", "HiCacheController", "start_loading", "loads"),
+                      ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache", "load_back", "asked"),
+                      ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache", "restore_kv_cache", "restore"))
