@@ -15,8 +15,8 @@ from ..checks.transfer import make_hook as make_transfer_hook
 from ..checks.guard import Guard
 from ..model.log import logger
 from ..model.targets import module_file
-from ..model.transfertargets import (HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS,
-                                     TRANSFER_MODULES)
+from ..model.transfertargets import (HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS, HICACHE_SINCE,
+                                     TRANSFER_ENTRIES, TRANSFER_HOOKS, TRANSFER_MODULES, TRANSFER_SINCE)
 
 Wrap = Callable[[Any, str, Callable[..., Any]], None]  # (owner, attribute, wrapt wrapper)
 MODULES = (*TRANSFER_MODULES, *(where for where, _ in HICACHE_POOLS),
@@ -47,8 +47,29 @@ def hook(module: ModuleType, guard: Guard, wrap: Wrap) -> None:
             wrap(cls, method, make_load_hook(kind, guard))
 
 
+def _defines(module: str, owner: str, method: str) -> bool:
+    """Whether sglang's file of `module` defines `method` in class `owner` (read, not imported)."""
+    path = module_file(module)
+    if path is None:
+        return False
+    with open(path, encoding="utf-8", errors="replace") as source:
+        text = source.read()
+    start = text.find(f"class {owner}")
+    return start >= 0 and f"def {method}(" in text[start:]
+
+
 def absent() -> list[tuple[str, str]]:
-    """The checks whose module this sglang does not ship (read from its files), for the activation line."""
-    checks = [(f"the KV transfer check ({where.rsplit('.', 1)[1]} side)", where) for where in TRANSFER_MODULES]
-    checks += [(f"the HiCache check ({owner})", where) for where, owner in HICACHE_POOLS]
-    return [(what, where) for what, where in checks if module_file(where) is None]
+    """The checks this sglang has no hook for (read from its files), for the activation line."""
+    checks = [(f"the KV transfer check ({where.rsplit('.', 1)[1]} side; sglang {TRANSFER_SINCE}+)", where, owner,
+               method) for where, owner, method in TRANSFER_ENTRIES]
+    checks += [(f"the HiCache check ({owner}; sglang {HICACHE_SINCE}+)", where, owner, HICACHE_METHODS[0][0])
+               for where, owner in HICACHE_POOLS]
+    return [(what, f"{owner}.{method}") for what, where, owner, method in checks if not _defines(where, owner, method)]
+
+
+def releases() -> str:
+    """The activation line's words: which KV transfer checks run here, and from which release."""
+    gone = {what.split(" (")[0] for what, _ in absent()}
+    pd = "off" if "the KV transfer check" in gone else "on (with liveness)"
+    hicache = "off" if "the HiCache check" in gone else "on (holder check: with liveness, where the write map runs)"
+    return f"PD transfer check {pd} (sglang {TRANSFER_SINCE}+), HiCache check {hicache} (sglang {HICACHE_SINCE}+)"

@@ -32,6 +32,10 @@ from .owners import find_owner
 from .steps import LAYOUTS_KEPT
 
 Guard = Any  # the active checks.guard.Guard (which holds the Loads: not imported back)
+# What each HICACHE_LOAD_HOOKS method tells the check (doctor's words).
+LOAD_ROLES = {"loads": "the load-backs it starts: each into a tree node's fresh slots (no owner yet)",
+              "asked": "the request that asked for a tree node's load-back (named in a report)",
+              "restore": "a retracted request's restore: into its own req_to_token row"}
 
 
 @dataclasses.dataclass(eq=False)

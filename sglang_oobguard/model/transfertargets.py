@@ -29,3 +29,10 @@ HICACHE_METHODS = (("load_to_device_per_layer", "host->device load"), ("backup_f
 HICACHE_LOAD_HOOKS = (("sglang.srt.managers.cache_controller", "HiCacheController", "start_loading", "loads"),
                       ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache", "load_back", "asked"),
                       ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache", "restore_kv_cache", "restore"))
+# The releases that have them (read from sglang's wheels): the send hooks (`_send_kv_metadata`,
+# `_send_kv_chunk`) and the restore arrived in 0.5.21; `pool_host/mha.py` in 0.5.16 (the host pools
+# lived in memory_pool_host.py before: not hooked). The holder check reads the owner table, which the
+# write map's owner check keeps: where the write map runs (targets.WRITE_MAP_SINCE).
+TRANSFER_SINCE, HICACHE_SINCE = "0.5.21", "0.5.16"
+TRANSFER_ENTRIES = ((_DECODE, "DecodePreallocQueue", "_send_kv_metadata"),
+                    (_PREFILL, "SchedulerDisaggregationPrefillMixin", "_send_kv_chunk"))
