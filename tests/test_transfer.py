@@ -210,8 +210,8 @@ def test_the_activation_line_says_which_kv_transfer_checks_run_and_from_which_re
     pd = has("DecodePreallocQueue._send_kv_metadata") and has("SchedulerDisaggregationPrefillMixin._send_kv_chunk")
     hicache = has("MHATokenToKVPoolHost.load_to_device_per_layer")
     line = kvhooks.releases()
-    assert f"PD transfer check {'on' if pd else 'off'} (" in line and f"(sglang {TRANSFER_SINCE}+)" in line
-    assert f"HiCache check {'on' if hicache else 'off'} (" in line and f"(sglang {HICACHE_SINCE}+)" in line
+    assert f"PD transfer check {'on' if pd else 'off'} (sglang {TRANSFER_SINCE}+, with liveness)" in line
+    assert f"HiCache check {'on' if hicache else 'off'} (sglang {HICACHE_SINCE}+;" in line
     named = " ".join(f"{what} {where}" for what, where in kvhooks.absent())
     assert ("DecodePreallocQueue._send_kv_metadata" in named) != has("DecodePreallocQueue._send_kv_metadata")
     assert ("MHATokenToKVPoolHost.load_to_device_per_layer" in named) != hicache

@@ -70,6 +70,7 @@ def absent() -> list[tuple[str, str]]:
 def releases() -> str:
     """The activation line's words: which KV transfer checks run here, and from which release."""
     gone = {what.split(" (")[0] for what, _ in absent()}
-    pd = "off" if "the KV transfer check" in gone else "on (with liveness)"
-    hicache = "off" if "the HiCache check" in gone else "on (holder check: with liveness, where the write map runs)"
-    return f"PD transfer check {pd} (sglang {TRANSFER_SINCE}+), HiCache check {hicache} (sglang {HICACHE_SINCE}+)"
+    pd = "off" if "the KV transfer check" in gone else "on"
+    hicache = "off" if "the HiCache check" in gone else "on"
+    return (f"PD transfer check {pd} (sglang {TRANSFER_SINCE}+, with liveness), HiCache check {hicache} (sglang "
+            f"{HICACHE_SINCE}+; its holder check with liveness, where the write map runs)")

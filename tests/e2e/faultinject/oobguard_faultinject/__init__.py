@@ -2,8 +2,8 @@
 and a tally of the KV writes, moves and frees the engine made.
 
 Loaded by sglang's own `load_plugins()` like any plugin. With none of the variables
-below set (OOBGUARD_FAULT, OOBGUARD_COUNT; OOBGUARD_TRANSFER, OOBGUARD_HICACHE_SHIM and
-OOBGUARD_HICACHE_FAULT at the end) it does nothing.
+below set (OOBGUARD_FAULT, OOBGUARD_COUNT; OOBGUARD_TRANSFER, OOBGUARD_HICACHE_SHIM,
+OOBGUARD_HICACHE_FAULT at the end; OOBGUARD_PD_SHIM: tests/pd_shim.py) it does nothing.
 
 `OOBGUARD_FAULT=step=3,token=1,value=high+3` (step may be a range, `3-6`; value
 `high+K` means the pool's size + page_size + K, or a literal such as `-1`) wraps
@@ -320,6 +320,10 @@ def load() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
         wrapt.register_post_import_hook(lambda module: __import__("hicache_shim").install(),
                                         "sglang.srt.mem_cache.pool_host.mla")
+    if os.environ.get("OOBGUARD_PD_SHIM"):  # tests/pd_shim.py: mooncake's prefill send on a CPU
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+        wrapt.register_post_import_hook(lambda module: __import__("pd_shim").install(),
+                                        "sglang.srt.disaggregation.mooncake.conn")
     if os.environ.get("OOBGUARD_HICACHE_FAULT"):
         wrapt.register_post_import_hook(_patch_load, "sglang.srt.mem_cache.pool_host.mha")
         if "held" in _faults():
