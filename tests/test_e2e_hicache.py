@@ -20,6 +20,11 @@ SHIM = {"OOBGUARD_HICACHE_SHIM": "1"}
 STRICT = {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1", **SHIM}
 WARN = {**STRICT, "SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0"}
 HELD = re.compile(r"oobguard_faultinject: HiCache load device_indices\[2\] -> (\d+) \(request runner token (\d+)")
+# the guard's report of the held slot: what the load is for, the holder, the slot's history
+HELD_REPORT = (r"load_to_device_per_layer \(HiCache host->device load\) device_indices layer 1: loc\[2\] = {slot}: a "
+               r"HiCache load for tree node \d+ \(request again\) into a slot another running request holds; slot "
+               r"{slot} is held by request runner token {token} \(pool MHATokenToKVPool\); request again; slot {slot} "
+               r"last freed at step -?\d+ by [^;]+, last allocated at step \d+ by ")
 
 
 @pytest.fixture(autouse=True)
@@ -53,11 +58,7 @@ def test_loads_into_a_slot_past_the_pool_and_into_a_running_requests_slot_are_re
     slot, token = held.groups()
     assert ("load_to_device_per_layer (HiCache host->device load) device_indices layer 1: 1 of 358 slot ids "
             "outside [0, 769): loc[1] = 772 (pool MHATokenToKVPool)") in run.log, run.log[-3000:]
-    report = re.search(rf"load_to_device_per_layer \(HiCache host->device load\) device_indices layer 1: loc\[2\] = "
-                       rf"{slot}: a HiCache load for tree node \d+ \(request again\) into a slot another running "
-                       rf"request holds; slot {slot} is held by request runner token {token} "
-                       rf"\(pool MHATokenToKVPool\); request again; slot {slot} last freed at step -?\d+ by [^;]+, "
-                       rf"last allocated at step \d+ by ", run.log)
+    report = re.search(HELD_REPORT.format(slot=slot, token=token), run.log)
     assert report, run.log[-3000:]
     assert "out of bounds for dimension" not in run.log  # contained before torch's copy
     assert run.returncode == 0 and run.result["runner"] == reference.result["runner"], run.log[-3000:]
