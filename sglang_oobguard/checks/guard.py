@@ -47,8 +47,7 @@ class Guard:
         self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
         self.calls = CallState()
         self.steps = Steps()
-        self.transfers = Transfers()  # PD decode: KV transfers in flight (liveness)
-        self.loads = Loads()  # HiCache: what the loads in progress are for (liveness)
+        self.transfers, self.loads = Transfers(), Loads()  # PD decode's transfers in flight; HiCache's loads (liveness)
         self.step_site = site_id(STEP_LABEL)
         self.bounds[self.step_site] = POOL_IDS.rule
 
