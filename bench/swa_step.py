@@ -65,11 +65,11 @@ def swa_step_row(quick: bool, per_call_us: Callable[..., dict[str, list[float]]]
         step()
     allocator, guard = made["allocator"], sglang_oobguard.activate.instrument._active.guard
     ids, fresh = made["held"][0], allocator.swa_attn_allocator.free_pages[:BATCH].clone()
-    sub_state = made["pool"].swa_kv_pool.__dict__[STATE_ATTR]
+    sub_state, sub = made["pool"].swa_kv_pool.__dict__[STATE_ATTR], allocator.swa_attn_allocator
     last = made["held"][-1]
     door_args = (layers[0], KVWriteLoc(last, swa_loc=allocator.translate_loc_from_full_to_swa(last)), k, k)
     adapter = {"free check": lambda: swa.check_free(guard, allocator, "free_swa", SWA_METHODS["free_swa"], ids),
-               "hand-out check": lambda: liveness.check_hand_out(guard, sub_state, 0, fresh),
+               "hand-out check": lambda: liveness.check_hand_out(guard, sub, sub_state, 0, fresh),
                "door check": lambda: swa.check_door(guard, made["pool"], 0, door_args, {}, 1, "loc_info", 0)}
     alone = per_call_us(adapter, 50 if quick else 2000, 2 if quick else 15, {name: lambda: None for name in adapter})
     sglang_oobguard.uninstall()

@@ -137,6 +137,9 @@ FACTS: dict[str, Fact] = {
     "SWATokenToKVPoolAllocator": Fact(_has("sglang.srt.mem_cache.allocator.swa", "SWATokenToKVPoolAllocator"), "0.5.16"),
     "PureSWATokenToKVPoolAllocator": Fact(_has("sglang.srt.mem_cache.allocator.swa", "PureSWATokenToKVPoolAllocator"),
                                           "0.5.16"),
+    "free_swa_out_of_window_slots": Fact(_has("sglang.srt.mem_cache.common", "free_swa_out_of_window_slots"),
+                                         "? (checked on 0.5.23)"),
+    "ReqKvInfo": Fact(_has("sglang.srt.managers.schedule_batch", "ReqKvInfo"), "? (checked on 0.5.23)"),
     "DeepSeekV4SingleKVPool": Fact(_has("sglang.srt.mem_cache.deepseek_v4_memory_pool", "DeepSeekV4SingleKVPool"),
                                    "0.5.12"),
     "PagedTokenToKVPoolAllocator.free_page_ids": Fact(

@@ -53,6 +53,9 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
     assert "liveness tracks these allocator families:\n  TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator: " in out
     if has("SWATokenToKVPoolAllocator"):  # the SWA allocators' own module (0.5.16+)
         assert "liveness not tracked (bound check only): " in out and "UnifiedSWATokenToKVPoolAllocator" in out
+        # the unified-memory SWA allocators (0.5.23): untracked, and doctor says why
+        assert re.search(r"\n  [^\n]*UnifiedSWATokenToKVPoolAllocator[^\n]*: unified memory pool: its sub-allocators "
+                         r"\(MultiEndedAllocator\) hand out virtual page ids", out), out
         assert "\n  SWATokenToKVPoolAllocator: both id spaces" in out and "  SWATokenToKVPoolAllocator.free_full " in out
     if has("DeepSeekV4SingleKVPool"):
         assert "DeepSeek-V4 composite pool" in out

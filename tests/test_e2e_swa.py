@@ -8,7 +8,7 @@ are evicted and requests retracted. SWA faults are injected by the fault plugin
 Every run reads SWA layers through the test-only patch of torch_native's SWA reads
 (OOBGUARD_SWA_READS, see oobguard_faultinject.swa): without it sglang's CPU path
 reads SWA rows at full-pool ids. One engine per scenario; page size 1 and 4 only
-where the allocators differ (the clean runs)."""
+where the allocators differ (the clean runs); one warn-mode run serves both faults."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def swa_clean(mellum):
         run = run_engine(mellum, READS, workload="swa", options=(f"page={page}",), timeout=TIMEOUT)
         assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
         assert "SWAKVPool mem usage" in run.log and len(run.result["outputs"]) == 44
+        assert "sglang_oobguard active" not in run.log  # the guard-off control the guarded runs compare with
         outputs[page] = run.result["outputs"]
     return outputs
 
@@ -62,26 +63,65 @@ def test_clean_swa_serving_strict_with_liveness_reports_nothing_and_keeps_the_to
     assert "KVOutOfBoundsError" not in run.log and "is not allocated" not in run.log and not run.leftovers
 
 
+HELD = r"slot (\d+) is held by request (\w+) token \d+"  # a claim's holder
+FOR = r"the {call} is for request (\w+)"  # a claim's other request
+
+
 def test_an_swa_page_freed_twice_is_reported_at_the_second_free(mellum):
     run = run_engine(mellum, {**STRICT, "OOBGUARD_FAULT": "site=swa,step=5,value=double"}, workload="swa",
                      options=("page=4",), timeout=TIMEOUT)
     [(_, _, rid, full, swa)] = FAULT.findall(run.log)
     assert (f"KVOutOfBoundsError: free_swa_segment (SWATokenToKVPoolAllocator): free_index[0] = {full} has no "
             "SWA slot mapped: its SWA peer was freed already (SWA double free; the free would put padding slot 0 on "
-            "the SWA free list) (pool SWAKVPool.full_kv_pool (full ids))") in run.log, run.log[-3000:]
+            f"the SWA free list); slot {full} is held by request {rid} token ") in run.log, run.log[-3000:]
+    # the tool frees behind the scheduler's back, for no request: the report says so
+    assert ("the request the free is for is not known (none of its callers passes one) "
+            "(pool SWAKVPool.full_kv_pool (full ids))") in run.log, run.log[-3000:]
     assert run.result is None and not run.leftovers  # strict stops the scheduler; the harness leaves nothing
 
 
-def test_a_live_swa_slot_handed_to_another_request_is_reported_and_warn_mode_keeps_the_others(mellum, swa_clean):
-    run = run_engine(mellum, {**STRICT, "SGLANG_OOBGUARD_MODE": "warn", "OOBGUARD_FAULT": "site=swa,step=5,value=handout"},
-                     workload="swa", options=("page=1",), timeout=TIMEOUT)
+def test_a_live_swa_page_handed_to_another_request_is_reported_at_the_hand_out_naming_both(mellum):
+    run = run_engine(mellum, {**STRICT, "OOBGUARD_FAULT": "site=swa,step=5,value=handout"}, workload="swa",
+                     options=("page=4",), timeout=TIMEOUT)
     [(_, _, rid, full, swa)] = FAULT.findall(run.log)
+    report = re.search(r"KVOutOfBoundsError: alloc_\w+ \(PagedTokenToKVPoolAllocator\): handed_out\[\d+\] = (\d+) is "
+                       r"handed out again while still allocated \(a live slot went back on the free list\); "
+                       + HELD + "; " + FOR.format(call="hand-out") + r" \(pool SWAKVPool\.swa_kv_pool \(SWA ids\)\)",
+                       run.log)
+    assert report, run.log[-3000:]
+    slot, held, holder, receiver = report.groups()
+    assert int(slot) // 4 == int(swa) // 4 and held == slot and holder == rid and receiver != rid
+    assert run.result is None and not run.leftovers
+
+
+def test_warn_mode_reports_each_swa_fault_with_both_requests_and_keeps_the_others(mellum, swa_clean):
+    """One warn-mode run, three faults, each 2 decodes after the last on other requests: a live
+    SWA page handed to another request (decode 5 on), an SWA page freed twice, and one forward
+    whose token writes another request's SWA slot (the backend's translated ids crossed): each
+    reported, naming the slot, the id space and both requests; the untouched requests' outputs
+    are the clean run's, and the engine finishes (the harness's timeout kills a hang)."""
+    run = run_engine(mellum, {**STRICT, "SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0",
+                              "OOBGUARD_FAULT": "site=swa,step=5,value=handout+double+door"}, workload="swa",
+                     options=("page=4",), timeout=TIMEOUT)
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    first = sglang_lines(run)[0]
-    assert (f"sglang_oobguard: reported only (the allocator's hand-out goes on): alloc "
-            f"(TokenToKVPoolAllocator): handed_out[0] = {swa} is handed out again while still allocated "
-            "(a live slot went back on the free list) (pool SWAKVPool.swa_kv_pool (SWA ids)); "
-            f"slot {swa} last allocated at step ") in first, first  # then the slot's history
-    changed = [i for i, (got, want) in enumerate(zip(run.result["outputs"], swa_clean[1])) if got != want]
-    assert len(changed) <= 2, changed  # the holder and the request handed its slot; the other 42 untouched
+    [(_, _, held_rid, _, swa), (_, _, freed_rid, full, _), (_, _, writer, _, crossed)] = FAULT.findall(run.log)
+    [owner] = re.findall(r"swa door at decode .*; owner rid (\w+)\)", run.log)
+    lines = sglang_lines(run)
+    double = next((line for line in lines if "has no SWA slot mapped" in line), "")
+    assert (f"free_swa_segment (SWATokenToKVPoolAllocator): free_index[0] = {full} has no SWA slot mapped" in double
+            and f"slot {full} is held by request {freed_rid} token " in double
+            and "(pool SWAKVPool.full_kv_pool (full ids))" in double), lines
+    handout = next((line for line in lines if "is handed out again" in line), "")
+    found = re.search(HELD + "; " + FOR.format(call="hand-out") + r" \(pool SWAKVPool\.swa_kv_pool \(SWA ids\)\)",
+                      handout)
+    assert found and int(found[1]) // 4 == int(swa) // 4 and found[2] == held_rid != found[3], lines
+    door = next((line for line in lines if "at SWAKVPool's door" in line), "")
+    assert re.search(rf"set_kv_buffer \(SWAKVPool\) swa_loc layer \d+: loc\[\d+\] = {crossed} is not this token's SWA "
+                     rf"slot \(its full slot maps to \d+\); slot {crossed} is held by request {owner} token \d+"
+                     rf"( \(\d+ of \d+ ids bad\))? \(pool SWAKVPool\.swa_kv_pool \(SWA ids\) at SWAKVPool's door\); "
+                     rf"step \d+ \(decode, batch \d+\); request {writer} token \d+", door), lines
+    changed = [i for i, (got, want) in enumerate(zip(run.result["outputs"], swa_clean[4])) if got != want]
+    # the page handed out (holder, receiver), the page freed twice (its holder, whoever got the page meanwhile);
+    # the crossed write is contained (sent to padding slot 0): only its writer's token is lost
+    assert len(changed) <= 5, changed
     assert not run.leftovers

@@ -149,7 +149,7 @@ HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_
             guard_mod.Guard.publish, pools.PoolState.copy_for, device.Order.probed, device.Order.after,
             pools.PoolState.after_probes, pools.region, writes.make_wrapper, writes._layer_id, writes.replaced,
             kernels.launch, kernels.programs, record.PoolRecord.poll, record.PoolRecord.unreported,
-            liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages,
+            liveness.check_free, kernels.launch_free, shadow.mark, shadow.release, shadow._pages, shadow._fill,
             liveness.make_wrapper, liveness._alloc, liveness._free, liveness._group_end, liveness._update,
             liveness.counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin,
             swa.make_wrapper, swa.make_mapping_hook, swa.check_door, reads._launch, readkernel.launch,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sglang_oobguard
-from helpers import Layer, needs, swa_allocator, swa_pool
+from helpers import Layer, model_runner_class, needs, swa_allocator, swa_pool
 from sglang_oobguard import KVOutOfBoundsError
 
 FULL, SWA = r"\(pool SWAKVPool\.full_kv_pool \(full ids\)\)", r"\(pool SWAKVPool\.swa_kv_pool \(SWA ids\)\)"
@@ -116,7 +116,7 @@ def test_a_double_free_within_one_call_names_the_id_freed_twice(swa):
     pool, allocator = swa("raise", 1)
     loc = alloc(allocator, 3)
     twice = torch.tensor([int(loc[1]), int(loc[2]), int(loc[1])])
-    raised(rf"free_index\[2\] = {int(loc[1])} is not allocated \(double free\) {FULL}",
+    raised(rf"free_index\[2\] = {int(loc[1])} is not allocated \(double free\).* {FULL}",
            lambda: allocator.free(twice))
 
 
@@ -240,3 +240,164 @@ def test_two_tokens_of_one_write_on_one_swa_slot_are_caught_and_warn_contains_th
     assert violation.pool == "SWAKVPool.swa_kv_pool (SWA ids) at SWAKVPool's door"
     assert torch.equal(pool.swa_kv_pool.k_buffer[1][int(swa_loc[0])], torch.ones(2, 4))  # token 0's own write
     assert not torch.equal(before, torch.ones(2, 4))
+
+
+# -- both requests of a bad free, hand-out or SWA write (checks.claims, the door's owner) ----------
+
+
+@pytest.fixture
+def served(swa, monkeypatch):
+    """A real SWAKVPool and allocator, and sglang's ModelRunner (not loaded) with the guard's
+    step hook over an empty model loop: `admit` puts a real Req on a req_to_token row,
+    `step` runs one decode forward of the admitted requests (the guard learns their rids)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    ModelRunner = model_runner_class()
+
+    def make(mode: str, page_size: int):
+        pool, allocator = swa(mode, page_size)  # the guard on: its step hook wraps forward
+        monkeypatch.setattr(ModelRunner.__dict__["forward"], "__wrapped__", lambda self, batch, *a, **k: "output")
+        run = ModelRunner.__new__(ModelRunner)
+        run.token_to_kv_pool, run.tp_rank, run.pp_rank, run.dp_rank, run.is_draft_worker = pool, 0, 0, 0, False
+        run.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=16, device="cpu", enable_memory_saver=False)
+        run.req_to_token_pool.req_to_token.zero_()
+        reqs: dict[int, Req] = {}
+
+        def admit(row: int, rid: str, n: int) -> tuple[Req, torch.Tensor]:
+            loc = alloc(allocator, n)
+            run.req_to_token_pool.req_to_token[row, :n] = loc.to(torch.int32)
+            reqs[row] = req = Req(rid, "", [1] * n, SamplingParams())
+            if hasattr(req, "kv"):  # ReqKvInfo: the row sglang's out-of-window free reads
+                req.kv.req_pool_idx = row
+            return req, loc
+
+        def step() -> None:
+            rows = sorted(reqs)
+            lens = [int((run.req_to_token_pool.req_to_token[row] != 0).sum()) for row in rows]
+            rpi, seq = torch.tensor(rows), torch.tensor(lens)
+            batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+                                 input_ids=torch.zeros(len(rows), dtype=torch.int64), req_pool_indices=rpi,
+                                 seq_lens=seq, out_cache_loc=run.req_to_token_pool.req_to_token[rpi, seq - 1].long(),
+                                 seq_lens_sum=sum(lens))
+            batch.seq_lens_cpu, batch.rids = seq.clone(), [reqs[row].rid for row in rows]
+            run.forward(batch)
+
+        return pool, allocator, run, admit, step
+
+    return make
+
+
+def evict_out_of_window(run, allocator, req, page_size: int, seq_len: int) -> None:
+    """sglang's own out-of-window SWA free for `req` (mem_cache.common), window 1."""
+    needs("free_swa_out_of_window_slots", "ReqKvInfo")
+    from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+
+    free_swa_out_of_window_slots(req, seq_len, sliding_window_size=1, page_size=page_size,
+                                 req_to_token_pool=run.req_to_token_pool, token_to_kv_pool_allocator=allocator,
+                                 supports_prefix_sharing=False)
+
+
+@PAGES
+def test_an_swa_double_free_names_the_request_that_held_the_slot_and_the_one_the_free_is_for(served, page_size):
+    """rA's SWA page leaves the window (sglang's free for rA); then rB's req_to_token row names rA's
+    page (a crossed row) and sglang frees rB's out-of-window slots: rA's page again."""
+    pool, allocator, run, admit, step = served("raise", page_size)
+    a, a_loc = admit(1, "rA", 2 * page_size)
+    b, b_loc = admit(2, "rB", 2 * page_size)
+    step()
+    evict_out_of_window(run, allocator, a, page_size, 2 * page_size)
+    run.req_to_token_pool.req_to_token[2, :page_size] = a_loc[:page_size].to(torch.int32)
+    first = int(a_loc[0])
+    raised(rf"^free_swa_segment \(SWATokenToKVPoolAllocator\): free_index\[0\] = {first} has no SWA slot mapped: "
+           rf"its SWA peer was freed already .*\); slot {first} is held by request rA token 0; the free is for "
+           rf"request rB {FULL}$", lambda: evict_out_of_window(run, allocator, b, page_size, 2 * page_size))
+
+
+@PAGES
+def test_a_double_free_and_a_leaking_free_full_name_the_holder_and_say_the_free_has_no_request(served, page_size):
+    """Called with no request among its callers (as a tool behind the scheduler would), the
+    report names the holder and says the other request is not known."""
+    pool, allocator, run, admit, step = served("raise", page_size)
+    _, loc = admit(1, "rA", 2 * page_size)
+    step()
+    allocator.free(loc[:page_size])
+    unknown = "the request the free is for is not known \\(none of its callers passes one\\)"
+    raised(rf"^free \(SWATokenToKVPoolAllocator\): free_index\[0\] = {int(loc[0])} is not allocated \(double free\)"
+           rf"(.*ids bad\))?; slot {int(loc[0])} is held by request rA token 0; {unknown} {FULL}$",
+           lambda: allocator.free(loc[:page_size]))
+    leak = raised(rf"^free_full .*is still mapped \(that SWA slot would leak\)( \(\d+ of \d+ ids bad\))?; slot "
+                  rf"{int(loc[page_size])} is held by "
+                  rf"request rA token {page_size}; {unknown} {FULL}$", lambda: allocator.free_full(loc[page_size:]))
+    assert (leak.violation.owner, leak.violation.request, leak.violation.claimed) == ("rA", None, True)
+
+
+def test_before_any_step_a_double_free_says_neither_request_is_known(swa):
+    pool, allocator = swa("raise", 1)
+    loc = alloc(allocator, 2)
+    allocator.free(loc)
+    raised(rf"double free\).*; the request holding slot {int(loc[0])} is not known \(no forward step's req_to_token "
+           rf"names it\); the request the free is for is not known", lambda: allocator.free(loc))
+
+
+def hand_out_for(batch, allocator, n: int) -> torch.Tensor:
+    """An allocation for `batch` (a ScheduleBatch), as sglang's alloc_for_decode makes it: the
+    batch in a local named `batch`, its requests in out_cache_loc's order."""
+    return alloc(allocator, n)
+
+
+@PAGES
+def test_a_live_swa_page_handed_out_names_its_holder_and_the_request_it_is_handed_to(served, page_size):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    pool, allocator, run, admit, step = served("raise", page_size)
+    allocator.swa_attn_allocator.alloc(page_size)  # the SWA ids one page ahead of the full ones: rA's SWA page
+    a, a_loc = admit(1, "rA", page_size)  # has rB's full ids, so only the mapping finds its holder
+    b, _ = admit(2, "rB", page_size)
+    step()
+    held = allocator.translate_loc_from_full_to_swa(a_loc)
+    assert int(held[0]) != int(a_loc[0])
+    sub = allocator.swa_attn_allocator
+    page = held[:1] if page_size == 1 else held[:1] // page_size
+    sub.free_pages = torch.cat([page.to(sub.free_pages.dtype), sub.free_pages])  # behind the guard's back
+    batch = ScheduleBatch.__new__(ScheduleBatch)  # not built: only what an allocation's caller holds
+    batch.reqs, batch.forward_mode = [b], ForwardMode.DECODE
+    method = "alloc" if page_size == 1 else "alloc_extend"
+    raised(rf"^{method} \((Paged)?TokenToKVPoolAllocator\): handed_out\[0\] = {int(held[0])} is handed out again "
+           rf"while still allocated \(a live slot went back on the free list\); slot {int(held[0])} is held by "
+           rf"request rA token 0; the hand-out is for request rB {SWA}$",
+           lambda: hand_out_for(batch, allocator, page_size))
+
+
+@PAGES
+def test_the_door_names_the_request_whose_swa_slot_another_token_writes(served, page_size):
+    """Issue #31 item 3: a token's SWA id that is another request's SWA slot names both."""
+    pool, allocator, run, admit, step = served("raise", page_size)
+    _, mine = admit(1, "rA", page_size)
+    _, other = admit(2, "rB", page_size)
+    step()
+    theirs = allocator.translate_loc_from_full_to_swa(other)
+    info = raised(rf"^set_kv_buffer \(SWAKVPool\) swa_loc layer 2: loc\[0\] = {int(theirs[0])} is not this token's "
+                  rf"SWA slot \(its full slot maps to \d+\); slot {int(theirs[0])} is held by request rB token 0",
+                  lambda: write(pool, allocator, mine, 2, swa_loc=theirs))
+    assert (info.violation.owner, info.violation.owner_token) == ("rB", 0)
+
+
+def test_warn_mode_contains_a_segment_freed_twice_to_its_good_pages(swa):
+    """A segment free keeps its contract (whole pages from a page-aligned start): the page
+    freed already is left out, the other page goes back, nothing reaches a free list twice."""
+    pool, allocator = swa("warn", 4)
+    loc = alloc(allocator, 8)
+    allocator.free_swa_segment(loc[:4], start_pos=0)
+    before = allocator.swa_available_size()
+    allocator.free_swa_segment(loc, start_pos=0)  # page 1 again (reported), page 2 for the first time
+    [violation] = sglang_oobguard.violations()
+    assert (violation.kind, violation.value, violation.label) == ("unmapped", int(loc[0]),
+                                                                 "free_swa_segment (SWATokenToKVPoolAllocator)")
+    assert allocator.swa_available_size() == before + 4
+    free = allocator.swa_attn_allocator.free_pages.tolist()
+    assert len(free) == len(set(free)) and 0 not in free
+    assert not allocator.full_to_swa_index_mapping[loc].any()

@@ -16,7 +16,7 @@ from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from ..model.finite import UNSEEN, VALUE_DTYPES, WRITER_VALUES, stored_values
 from ..model.quiet import quiet
-from ..model.swatargets import FAMILIES
+from ..model.swatargets import FAMILIES, UNTRACKED_WHY
 from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED,
                              is_supported, module_file, version_of_sglang, write_map_off)
 from ..model.transfertargets import (DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS,
@@ -230,3 +230,5 @@ def _print_allocators(targets: Any) -> None:
     for target in methods:
         print(f"  {target.qualname:48} {target.role.value}")
     print("liveness not tracked (bound check only): " + (", ".join(untracked) or "none"))
+    for why in dict.fromkeys(UNTRACKED_WHY[name] for name in untracked if name in UNTRACKED_WHY):
+        print(f"  {', '.join(name for name in untracked if UNTRACKED_WHY.get(name) == why)}: {why}")

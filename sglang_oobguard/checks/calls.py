@@ -30,8 +30,17 @@ class CallState(threading.local):
         # on a pool: (pool, bound, region, ids, lens, live) -> (ids, what the write got,
         # whether that is a copy in the pool's buffer).
         self.memo: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        # The memo's last answer on the host, looked at first: (pool, ids, what the write got).
+        # Every layer of a step writes the same ids object, so it answers all but the first.
+        self.hot: Optional[tuple[Any, torch.Tensor, torch.Tensor]] = None
         self.capturing = False  # the memo belongs to a graph capture
         self.step_ids: Any = None  # the step's mapped ids (ownids.StepIds), for writes with ids of their own
+
+
+    def new_memo(self) -> None:
+        """A new step, or a capture begun or ended: nothing probed so far serves."""
+        self.memo.clear()
+        self.hot = None
 
 
 def memo_key(pool: Any, high: int, param: int, ids: torch.Tensor, lens: Optional[torch.Tensor], live: bool) -> tuple:

@@ -7,7 +7,7 @@ and `liveness`; each reads and reports through this object.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -64,10 +64,11 @@ class Guard:
             return backend is Backend.TORCH and not device.capturing()
         return backend is not Backend.TRITON
 
-    def state(self, pool: Any, where: torch.device) -> PoolState:
-        """The pool's state: made when the pool was built, else now (a pool class whose
-        constructor skips KVCache's, or a mock)."""
-        return pool.__dict__.get(STATE_ATTR) or self.attach(pool, where)
+    def state(self, pool: Any, where: Union[torch.device, torch.Tensor]) -> PoolState:
+        """The pool's state: made with the pool, else now (a mock) on `where` or its
+        device (read only then: it costs as much as the rest of a step's look-up)."""
+        state = pool.__dict__.get(STATE_ATTR)
+        return state or self.attach(pool, where.device if isinstance(where, torch.Tensor) else where)
 
     def attach(self, pool: Any, where: torch.device) -> PoolState:
         state = PoolState(pool, where)

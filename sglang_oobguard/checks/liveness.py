@@ -35,7 +35,7 @@ from ..model.violation import Kind, free_site_id
 from ..probes import device, hostscan, kernels, shadow
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..report.reporter import KVOutOfBoundsError
-from . import transfer
+from . import claims, transfer
 from .guard import Guard
 
 BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup_state() saw it
@@ -72,9 +72,10 @@ class Call:
 def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     result = call()
     if isinstance(result, torch.Tensor) and state.live is not None:
-        if result.numel() and guard.on_host(result):  # a live page handed out again (the GPU path: not yet)
-            checked(guard, lambda: check_hand_out(guard, state, site, result))
-        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result, call.event)))
+        host = guard.on_host(result)
+        if result.numel() and host:  # a live page handed out again (the GPU path: not yet)
+            checked(guard, lambda: check_hand_out(guard, allocator, state, site, result))
+        _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result, call.event, host)))
     return result
 
 
@@ -169,13 +170,16 @@ def free_site(method: str, role: Role, cls: type) -> int:
     return free_site_id(f"{method} ({cls.__name__})", param)
 
 
-def check_hand_out(guard: Guard, state: PoolState, site: int, ids: torch.Tensor) -> None:
-    """Report ids the allocator hands out on pages still handed out (host ids only)."""
+def check_hand_out(guard: Guard, allocator: Any, state: PoolState, site: int, ids: torch.Tensor) -> None:
+    """Report ids the allocator hands out on pages still handed out (host ids only),
+    naming the request that holds the page and the one it is handed to (`claims`)."""
     assert state.live is not None
     finding = hostscan.scan_handed_out(ids, state.live)
     if finding is not None:
         record = finding.record(site, -1, state.live.high, ids.numel(), guard.steps.number)
-        guard.report_now(state, record._replace(kind=Kind.HANDED_OUT))
+        held = claims.full_slots_of(allocator.__dict__.get(POOL_OF_ALLOCATOR), record.value, state.live.page)
+        guard.report_now(state, record._replace(kind=Kind.HANDED_OUT),
+                         **claims.sides(guard, held, record.pos, ids.numel()))
 
 
 def counted(guard: Guard, allocator: Any, family: str, call: Call) -> Any:
@@ -235,7 +239,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         if finding is not None:  # strict and raise: raised before the allocator took the ids
             guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True))
             contained = hostscan.live_only(ids, high, live)
-        shadow.release(live, ids, event)
+        shadow.release(live, ids, event, host=True)
         return contained
     state.after_probes()
     strict = guard.config.mode is Mode.STRICT

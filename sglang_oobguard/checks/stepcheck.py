@@ -45,10 +45,11 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     guard.calls.depth += 1  # first: step_end undoes it whatever fails below
     guard.steps.open += 1
     guard.steps.begin(runner, batch, capturing)
-    guard.calls.memo.clear()
+    guard.calls.new_memo()
     guard.calls.step_ids = None
-    for state in list(guard.polled):  # the copy the last step's end started (step_end starts the next)
-        guard.publish(state, state.record.poll(restart=False))
+    if guard.polled:  # the copies the last step's end started (step_end starts the next)
+        for state in list(guard.polled):
+            guard.publish(state, state.record.poll(restart=False))
     loc = getattr(batch, "out_cache_loc", None)
     if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
         return None
@@ -70,7 +71,7 @@ def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.T
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
         return None, False
     passed, where = mapped
-    live = guard.state(pool, loc.device).live is not None
+    live = guard.state(pool, loc).live is not None
     memo = guard.calls.memo
     memo[memo_key(pool, high, 0, loc, None, live)] = (loc, passed, where >= 0, where)
     if passed is loc:
@@ -83,10 +84,11 @@ def step_end(guard: Guard) -> None:
     """The step's probes are enqueued: start each record's copy, read at the next step."""
     guard.calls.depth -= 1
     guard.steps.open -= 1
-    guard.calls.memo.clear()
+    guard.calls.new_memo()
     guard.calls.step_ids = None
-    for state in list(guard.polled):
-        state.record.start_copy()
+    if guard.polled:
+        for state in list(guard.polled):
+            state.record.start_copy()
 
 
 def make_forward_hook(guard: Guard, pool_attr: str) -> Any:

@@ -43,7 +43,7 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> O
                            " and liveness" if guard.config.liveness else "")
         return None
     loc = rule.ids
-    state = guard.state(pool, loc.device)
+    state = guard.state(pool, loc)
     if guard.on_host(loc):
         finding, cleaned = hostmap.check_host(rule, high, state.live)
         if finding is not None:  # strict and raise: raised here, before any layer

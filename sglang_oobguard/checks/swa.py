@@ -34,6 +34,7 @@ from ..probes import hostscan
 from ..probes.pools import NAME_ATTR, SITES_ATTR, STATE_ATTR
 from ..probes.record import Record
 from ..probes.shadow import Live
+from .claims import SWA_OF_ATTR, full_slots_of, sides
 from .guard import Guard
 from .liveness import Call, checked, counted
 from .owners import find_owner
@@ -55,6 +56,8 @@ def name_spaces(guard: Guard, pool: Any) -> None:
         state = part.__dict__.get(STATE_ATTR)
         if state is not None:
             state.pool_name = name
+        if sub == SWA_SUBPOOL:
+            guard.mark(part, SWA_OF_ATTR, pool)  # its hand-out reports find the holder through the mapping
 
 
 def make_mapping_hook(guard: Guard) -> Callable[..., Any]:
@@ -86,7 +89,7 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         ids = call.ids
         if isinstance(ids, torch.Tensor) and ids.numel() and guard.on_host(ids):
             contained = checked(guard, lambda: check_free(guard, instance, target.method, spec, ids))
-            if contained is not None and spec.contained:
+            if contained is not None:
                 call.ids = contained
         return counted(guard, instance, FAMILY, call)
 
@@ -113,7 +116,9 @@ def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec:
 
 def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: torch.Tensor) -> Optional[torch.Tensor]:
     """Check one SWA free in the full id space; report its first bad id. Returns the
-    good ids (warn mode's containment) when some were bad, else None."""
+    good ids (warn mode's containment) when some were bad, else None: a segment keeps
+    its whole good pages (upstream reads a segment's pages at [::page_size] from its
+    page-aligned start), a set its good ids."""
     pool = allocator.__dict__.get("_kvcache")
     full = None if pool is None else pool.__dict__.get(FULL_SUBPOOL)
     state = None if full is None else full.__dict__.get(STATE_ATTR)
@@ -147,8 +152,13 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
         kind = Kind.DOUBLE_FREE if 0 <= value < live.high else Kind.BOUNDS
     count = int(either.sum())
     site = free_site_id(f"{method} ({type(allocator).__name__})", "free_index")
-    guard.report_now(state, Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number,
-                                   kind, expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1))
+    record = Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number, kind,
+                    expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
+    guard.report_now(state, record, **sides(guard, full_slots_of(None, value, page) if value >= 0 else []))
+    if spec.segment:
+        chunks = torch.arange(flat.numel()) // page  # a page with a bad id stays out whole
+        either = torch.zeros(int(chunks[-1]) + 1, dtype=torch.bool).index_put_((chunks,), either, accumulate=True)
+        either = either[chunks]
     return flat[~either]
 
 

@@ -51,7 +51,7 @@ def check_values(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: in
     """Check one write's values; returns the host findings to publish (`publish`). A
     kernel finding folds into the pool's record, read at the next check point (not
     polled here: a poll that raised now would stop the write raise mode lets through)."""
-    state = guard.state(pool, loc.device)
+    state = guard.state(pool, loc)
     host = guard.on_host(loc)
     pending: Pending = []
     strict = guard.config.mode is Mode.STRICT and device.is_gpu(loc)

@@ -120,6 +120,9 @@ class Violation:
     expected: int = -1  # the token's own slot per req_to_token (-1: not checked)
     owner: Optional[str] = None  # the request that holds the slot: its rid, or "req_to_token row R"
     owner_token: Optional[int] = None  # the position at which the owner holds the slot
+    # A bad free or hand-out (`claims`): both requests were looked up, `owner` the one that holds the
+    # slot, `request` the one the free or hand-out is for; either may stay unknown, the text says so.
+    claimed: bool = False
     # A KV transfer into the pages (PD disaggregation): its bootstrap room and the step it was sent at.
     room: Optional[int] = None
     sent_step: int = -1
@@ -179,7 +182,7 @@ class Violation:
         parts = []
         if self.step >= 0:
             parts.append(f"step {self.step}" + (f" ({self.mode}, batch {self.batch_size})" if self.mode else ""))
-        if self.request is not None:
+        if self.request is not None and not self.claimed:  # a claim's request is in its text
             parts.append(f"request {self.request}" + (f" token {self.token}" if self.token is not None else ""))
         if self.ranks:
             parts.append(self.ranks)
@@ -242,6 +245,19 @@ def _read(self: Violation) -> str:  # a Violation's text, kept out of its class
     return f"{at} was read before as another slot: the running request's entry was repointed"
 
 
+def _claims(v: Violation) -> str:
+    """Both requests of a bad free or hand-out (`claimed`), or what is not known of them."""
+    if not v.claimed:
+        return ""
+    call = "hand-out" if v.kind == "handed_out" else "free"
+    held = (f"; slot {v.value} is held by request {v.owner}" + (f" token {v.owner_token}" if v.owner_token is not None
+                                                               else "")) if v.owner is not None else \
+        f"; the request holding slot {v.value} is not known (no forward step's req_to_token names it)"
+    wants = f"; the {call} is for request {v.request}" if v.request is not None else \
+        f"; the request the {call} is for is not known (none of its callers passes one)"
+    return held + wants
+
+
 def _what(v: Violation) -> str:
     """What was wrong, for the first bad id (the text of each kind)."""
     if v.kind == "in_flight":
@@ -257,14 +273,16 @@ def _what(v: Violation) -> str:
     if v.kind == "bounds" or not 0 <= v.value < v.high:
         return f"{v.bad} of {v.numel} slot ids outside [0, {v.high}): {at}"
     if v.kind in ("freed", "double_free"):
-        return f"{at} is not allocated ({'double free' if v.freed else 'freed'}){more}"
+        return f"{at} is not allocated ({'double free' if v.freed else 'freed'}){more}{_claims(v)}"
     if v.kind == "handed_out":
-        return f"{at} is handed out again while still allocated (a live slot went back on the free list){more}"
+        return (f"{at} is handed out again while still allocated (a live slot went back on the free list)"
+                f"{more}{_claims(v)}")
     if v.kind == "unmapped":
         return (f"{at} has no SWA slot mapped: its SWA peer was freed already (SWA double free; the free would "
-                f"put padding slot 0 on the SWA free list){more}")
+                f"put padding slot 0 on the SWA free list){more}{_claims(v)}")
     if v.kind == "peer_mapped":
-        return f"{at} is freed while its SWA slot {v.expected} is still mapped (that SWA slot would leak){more}"
+        return (f"{at} is freed while its SWA slot {v.expected} is still mapped (that SWA slot would leak)"
+                f"{more}{_claims(v)}")
     held = "" if v.owner is None else f"; slot {v.value} is held by request {v.owner}" + (
         f" token {v.owner_token}" if v.owner_token is not None else "")
     if v.kind == "other_request":

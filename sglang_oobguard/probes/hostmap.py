@@ -38,7 +38,7 @@ class WriteFinding(NamedTuple):
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().numpy()
+    return t.detach().numpy() if t.requires_grad else t.numpy()  # detach() alone costs a new tensor
 
 
 def token_map(rule: Rule, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -98,16 +98,16 @@ def _clean_few(rule: Rule, ids: np.ndarray, high: int, live: Any) -> bool:
     vals = vals[:count]
     if min(vals) < 0 or max(vals) >= high or len(set(vals)) != count:
         return False
-    rows = _np(rule.rows)[:b].tolist()
+    rows = rule.rows.tolist()[:b]  # a few ids: a list and its slice cost less than a tensor slice
     if len(set(rows)) != b:
         return False
-    seq = _np(rule.seq_lens)[:b].tolist()
+    seq = rule.seq_lens.tolist()[:b]
     table = _np(rule.table)
     nrows, ncols = table.shape
-    virt = vals if rule.virtual is rule.ids else _np(rule.virtual)[:count].tolist()
+    virt = vals if rule.virtual is rule.ids else rule.virtual.tolist()[:count]
     family = rule.family
-    offset = None if rule.offset is None else _np(rule.offset)[:b].tolist()
-    positions = None if rule.positions is None else _np(rule.positions)[:count].tolist()
+    offset = None if rule.offset is None else rule.offset.tolist()[:b]
+    positions = None if rule.positions is None else rule.positions.tolist()[:count]
     for i in range(count):
         r, j = divmod(i, w)
         if family == "decode":

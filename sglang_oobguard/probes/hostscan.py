@@ -71,10 +71,15 @@ def _all_live(ids: np.ndarray, live: Live) -> bool:
 
 
 def _in_bounds(flat: torch.Tensor, high: int) -> bool:
-    """Every id in [0, high): plain Python for a few ids, else one torch reduction."""
+    """Every id in [0, high): plain Python for a few ids, else numpy's reductions over
+    CPU memory (less code to run cold, after a large write, than torch's dispatch),
+    else one torch reduction (a GPU's ids, at one host sync: SGLANG_OOBGUARD_BACKEND=torch)."""
     if flat.numel() <= _HOST_LIST_MAX:
         few = flat.tolist()
         return not few or (min(few) >= 0 and max(few) < high)
+    if flat.is_cpu:
+        ids = flat.numpy()
+        return bool(ids.min() >= 0 and ids.max() < high)
     lo, hi = torch.aminmax(flat)
     return lo.item() >= 0 and hi.item() < high
 
@@ -108,7 +113,12 @@ def scan_host(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor] = None,
               live: Optional[Live] = None) -> Optional[Finding]:
     """None when every written id is in [0, high) (and, with `live`, on a live page).
     With `lens`, only each row's valid prefix is written, and checked."""
-    flat = loc if loc.dim() == 1 else loc.reshape(-1)
+    one_dim = loc.dim() == 1
+    if one_dim and lens is None and live is None and loc.numel() <= _HOST_LIST_MAX:  # the common write, inline
+        few = loc.tolist()
+        if not few or (min(few) >= 0 and max(few) < high):
+            return None
+    flat = loc if one_dim else loc.reshape(-1)
     if lens is None and _clean(flat, high, live):
         return None
     return _finding(flat, _write_mask(loc, high, lens, live))
@@ -154,7 +164,11 @@ def scan_handed_out(ids: torch.Tensor, live: Live) -> Optional[Finding]:
     """The check of a hand-out, before its pages are marked: an id that opens a page
     (offset 0: a page the allocator just took off its free list; the other ids may
     continue a request's last page) must find that page not live. None when so."""
-    if live.host is not None and ids.device.type == "cpu":  # the fast answer for a clean hand-out
+    if live.host is not None and ids.is_cpu:  # the fast answer for a clean hand-out
+        if ids.numel() <= _HOST_LIST_MAX:
+            page, high, flags = live.page, live.high, live.host
+            if not any(flags[i // page] for i in ids.reshape(-1).tolist() if page <= i < high and not i % page):
+                return None
         host = ids.reshape(-1).numpy()
         opens = host[(host >= live.page) & (host < live.high) & (host % live.page == 0)]
         if not np.frombuffer(live.host, dtype=np.int32)[opens // live.page].any():

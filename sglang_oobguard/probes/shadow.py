@@ -20,8 +20,9 @@ alone (the bound checks report it), never an IndexError inside sglang's allocato
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
+import numpy as np
 import torch
 
 from ..model.callsite import NONE
@@ -64,33 +65,63 @@ def new_live(pages: int, page: int, device: torch.device) -> Live:
                 history)
 
 
-def _pages(live: Live, ids: torch.Tensor) -> torch.Tensor:
-    """The page of each id; an id outside the shadow gets the sink (left to the bound checks)."""
-    flat = ids.reshape(-1).to(live.flags.device, torch.int64)
+FEW = 32  # up to this many ids, a CPU shadow's pages are worked out in plain Python
+
+
+def _pages(live: Live, ids: torch.Tensor, host: bool) -> Union[torch.Tensor, np.ndarray, list]:
+    """The page of each id; an id outside the shadow gets the sink (left to the bound
+    checks). `host`: the caller checks these ids on the host (`Guard.on_host`); then,
+    for a CPU shadow, host values (numpy indexes the same memory at a fraction of a
+    torch op's fixed cost, a list for a few ids less still). Otherwise device ops."""
+    flat = ids.reshape(-1)
+    if host and live.host is not None and flat.is_cpu:
+        return _host_pages(live, flat)
+    flat = flat.to(live.flags.device, torch.int64)
     return torch.where((flat >= 0) & (flat < live.high), flat // live.page, live.pages)
 
 
-def mark(live: Live, ids: torch.Tensor, event: int = NONE) -> None:
+def _host_pages(live: Live, flat: torch.Tensor) -> Union[np.ndarray, list]:
+    """`_pages` of CPU ids for a CPU shadow, as host values."""
+    high, page, sink = live.high, live.page, live.pages
+    if flat.numel() <= FEW:
+        return [i // page if 0 <= i < high else sink for i in flat.tolist()]
+    values = flat.numpy()
+    return np.where((values >= 0) & (values < high), values // page, sink)
+
+
+def _fill(table: torch.Tensor, pages: Union[torch.Tensor, np.ndarray, list], value: int) -> None:
+    """table[pages] = value: index_fill_ for device pages, numpy over the table's memory for host ones."""
+    if isinstance(pages, torch.Tensor):
+        table.index_fill_(-1, pages, value)
+    else:
+        _host_fill(table, pages, value)
+
+
+def _host_fill(table: torch.Tensor, pages: Union[np.ndarray, list], value: int) -> None:
+    table.numpy()[..., pages] = value
+
+
+def mark(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False) -> None:
     """The allocator handed these ids out: their pages are live, have no owner yet, a
     new generation, and `event` (callsite.pack: step and site) as their last allocation."""
-    pages = _pages(live, ids)
-    live.flags.index_fill_(0, pages, 1)
+    pages = _pages(live, ids, host)
+    _fill(live.flags, pages, 1)
     if live.owner is not None:
-        live.owner.index_fill_(0, pages, 0)
+        _fill(live.owner, pages, 0)
     if live.history is not None:
-        live.history[GEN].index_fill_(0, pages, next(_serials))
-        live.history[ALLOCATED].index_fill_(0, pages, event)
+        _fill(live.history[GEN], pages, next(_serials))
+        _fill(live.history[ALLOCATED], pages, event)
 
 
-def release(live: Live, ids: torch.Tensor, event: int = NONE) -> None:
+def release(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False) -> None:
     """The pages of these ids went back to the free list: not live, no owner, `event`
     their last free."""
-    pages = _pages(live, ids)
-    live.flags.index_fill_(0, pages, 0)
+    pages = _pages(live, ids, host)
+    _fill(live.flags, pages, 0)
     if live.owner is not None:
-        live.owner.index_fill_(0, pages, 0)
+        _fill(live.owner, pages, 0)
     if live.history is not None:
-        live.history[FREED].index_fill_(0, pages, event)
+        _fill(live.history[FREED], pages, event)
 
 
 def story(live: Live, page: int) -> Optional[tuple[int, int, int, int]]:

@@ -333,6 +333,8 @@ def load() -> None:
         wrapt.register_post_import_hook(_patch_alloc, "sglang.srt.mem_cache.allocator.token")
     if os.environ.get("OOBGUARD_SWA_READS"):
         wrapt.register_post_import_hook(swa.patch_reads, "sglang.srt.layers.attention.torch_native_backend")
+    if _spec().get("site") == "swa" and "door" in _spec().get("value", "").split("+"):
+        wrapt.register_post_import_hook(swa.patch_metadata, "sglang.srt.layers.attention.torch_native_backend")
     if not (os.environ.get("OOBGUARD_FAULT") or os.environ.get("OOBGUARD_COUNT")):
         return
 

@@ -11,13 +11,18 @@ torch_native's, through the pool's own `translate_loc_from_full_to_swa`, on SWA 
 only (those called with a sliding window). It changes reads, never a write, so the
 guard sees exactly sglang's writes.
 
-`OOBGUARD_FAULT=site=swa,step=N,value=double|handout`, on the first decode forward from
-the Nth on where a token opens a page (so the page is its own request's alone):
+`OOBGUARD_FAULT=site=swa,step=N,value=double|handout|door`, or a +-joined sequence of
+them (one warn-mode run serves several: each AFTER decodes after the last, on other
+requests and other SWA pages), on the first decode forward from the Nth on where a token
+opens a page (so the page is its own request's alone):
 - `double`: that token's page goes back to the SWA free list twice, through sglang's own
   `SWATokenToKVPoolAllocator.free_swa_segment` (an SWA page freed twice);
 - `handout`: that token's live SWA page is put at the head of the SWA sub-allocator's free
   list behind every allocator method (as a tool the guard has never seen would), so the
-  next allocation hands it to another request while the token's request still holds it.
+  next allocation hands it to another request while the token's request still holds it;
+- `door`: for that one forward, token t's SWA id (torch_native's `swa_out_cache_loc`, the
+  translation the backend computes per forward) is token t + 1's, another request's SWA
+  slot, the mapping left alone (a stale or crossed translation).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import sys
 import torch
 
 _decodes = [0]
-_done: list[int] = []  # the decode the fault was applied on (once per process)
+_done: list[tuple[int, str, int]] = []  # (decode, rid, SWA page) of each fault applied, once each per process
+AFTER = 2  # double+handout: decodes between the two faults
 
 
 def _translated(instance, args: tuple, kwargs: dict) -> tuple:
@@ -59,24 +65,66 @@ def fault(spec: dict[str, str], runner, batch) -> None:
     _decodes[0] += 1
     allocator = runner.token_to_kv_pool_allocator
     page = int(allocator.page_size)
-    opens = (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a token on a page of its own request
-    if step < int(spec["step"]) or _done or not opens:
+    values = spec["value"].split("+")
+    rids = getattr(batch, "rids", None) or [None] * batch.out_cache_loc.numel()
+    swa_ids = allocator.translate_loc_from_full_to_swa(batch.out_cache_loc).tolist()
+    opens = [t for t in (batch.out_cache_loc % page == 0).nonzero().flatten().tolist()  # a page of its own request,
+             if rids[t] not in {rid for _, rid, _ in _done} and swa_ids[t] // page not in {p for _, _, p in _done}]
+    if len(_done) >= len(values) or not opens or step < (_done[-1][0] + AFTER if _done else int(spec["step"])):
+        return  # (the second fault: on another request and another SWA page than the first's)
+    value = values[len(_done)]
+    if value == "door":
+        _door_fault(step, rids, batch, allocator)
         return
-    _done.append(step)
     token = opens[0]
-    full = int(batch.out_cache_loc[token])
-    swa = int(allocator.translate_loc_from_full_to_swa(batch.out_cache_loc[token:token + 1])[0])
-    rid = batch.rids[token] if getattr(batch, "rids", None) else None
-    print(f"oobguard_faultinject: swa {spec['value']} at decode {step}: token {token} (rid {rid}) full slot {full}, "
+    full, swa = int(batch.out_cache_loc[token]), swa_ids[token]
+    _done.append((step, rids[token], swa // page))
+    print(f"oobguard_faultinject: swa {value} at decode {step}: token {token} (rid {rids[token]}) full slot {full}, "
           f"SWA slot {swa} (pid {os.getpid()})", file=sys.stderr, flush=True)
-    if spec["value"] == "double":
+    if value == "double":
         base = full - full % page
         segment = torch.arange(base, base + page, dtype=batch.out_cache_loc.dtype)
         allocator.free_swa_segment(segment, start_pos=0)
         allocator.free_swa_segment(segment, start_pos=0)
-    elif spec["value"] == "handout":
+    elif value == "handout":
         sub = allocator.swa_attn_allocator
         back = torch.tensor([swa // page], dtype=sub.free_pages.dtype)
         sub.free_pages = torch.cat([back, sub.free_pages])
     else:
-        raise ValueError(f"OOBGUARD_FAULT: site=swa takes value=double or value=handout, not {spec['value']!r}")
+        raise ValueError(f"OOBGUARD_FAULT: site=swa takes value=double, handout, door or a +-joined sequence of "
+                         f"them, not {value!r}")
+
+
+_door: list[int] = []  # the token whose SWA id the next init_forward_metadata crosses (door)
+
+
+def _door_fault(step: int, rids: list, batch, allocator) -> None:
+    """door: this forward, token t's SWA id is token t + 1's (another request's SWA slot), in
+    the ids the attention backend translated for the forward; its mapping is left alone."""
+    used = {rid for _, rid, _ in _done}
+    token = next((t for t in range(len(rids) - 1) if rids[t] not in used and rids[t + 1] not in used), None)
+    if token is None:
+        return
+    ids = allocator.translate_loc_from_full_to_swa(batch.out_cache_loc[token:token + 2]).tolist()
+    _done.append((step, rids[token], -1))
+    _door.append(token)
+    print(f"oobguard_faultinject: swa door at decode {step}: token {token} (rid {rids[token]}) full slot "
+          f"{int(batch.out_cache_loc[token])}, SWA slot {ids[1]} (pid {os.getpid()}; owner rid {rids[token + 1]})",
+          file=sys.stderr, flush=True)
+
+
+def _metadata(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if _door and getattr(instance, "swa_out_cache_loc", None) is not None:
+        token = _door.pop()
+        crossed = instance.swa_out_cache_loc.clone()
+        crossed[token] = crossed[token + 1]
+        instance.swa_out_cache_loc = crossed
+    return result
+
+
+def patch_metadata(module) -> None:
+    """For value=door: the backend's per-forward SWA ids, crossed after it computes them."""
+    import wrapt
+
+    wrapt.wrap_function_wrapper(module, "TorchNativeAttnBackend.init_forward_metadata", _metadata)
