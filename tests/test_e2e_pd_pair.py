@@ -17,11 +17,16 @@ from helpers import needs
 pytestmark = pytest.mark.e2e
 
 
-def test_a_prefill_decode_pair_over_mooncake_is_clean_and_unchanged_under_strict_liveness(model, clean, tmp_path):
+@pytest.fixture(autouse=True, scope="session")
+def _pair():
+    """Skips by name before any engine runs (autouse and session-wide: before the session's reference run)."""
     needs("DecodePreallocQueue._send_kv_metadata", "SchedulerDisaggregationPrefillMixin._send_kv_chunk")
     missing = mooncake_missing()
     if missing:
         pytest.skip(f"mooncake's transfer engine does not import here: {missing}")
+
+
+def test_a_prefill_decode_pair_over_mooncake_is_clean_and_unchanged_under_strict_liveness(model, clean, tmp_path):
     run = serve_pair(model, {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1"}, tmp_path, PROMPTS)
     assert run.result is not None, run.log[-4000:]
     # the plain engine's tokens: decode's come from the transferred KV (a page missing or wrong changes the
