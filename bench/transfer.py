@@ -4,7 +4,9 @@ token allocator: the cost per transfer (the send check of one request's destinat
 free (a request's alloc and free, the free checked against the transfers in flight), guarded (strict, liveness) against
 unguarded and against the guard with no transfer in flight (what liveness alone costs), side by
 side in one run; and the cost per HiCache load (one layer of the real MHA host pool, through the
-test-only CPU shim tests/hicache_shim.py), guarded against unguarded.
+test-only CPU shim tests/hicache_shim.py), guarded against unguarded, outside a load-back (the bound
+and liveness probe) and inside one (plus the holder check, checks/hiloads.py: the load's slots
+against the owner table; its first layer's call, later layers reuse it).
 
     .venv/bin/python bench/transfer.py            # ~20 s on 2 cores
     .venv/bin/python bench/transfer.py --quick    # a smoke run (numbers not meaningful)
@@ -73,9 +75,12 @@ def rows(quick: bool) -> list[dict]:
 
 def load_rows(quick: bool) -> list[dict]:
     """HiCache: one host -> device load of one layer (the real MHA host pool, layer_first, direct; on
-    the CPU through tests/hicache_shim.py), unguarded vs guarded (strict, liveness)."""
+    the CPU through tests/hicache_shim.py), unguarded vs guarded (strict, liveness), and guarded inside
+    a load-back (what `HiCacheController.start_loading`'s hook sets: the holder check runs)."""
     import hicache_shim
     import sglang_oobguard
+    from sglang_oobguard.activate import instrument
+    from sglang_oobguard.checks.hiloads import Loading
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -87,9 +92,12 @@ def load_rows(quick: bool) -> list[dict]:
 
         def setup(name: str) -> None:
             sglang_oobguard.uninstall()
-            if name == "guarded":
+            if name != "unguarded":
                 os.environ["SGLANG_OOBGUARD_LIVENESS"] = "1"
                 sglang_oobguard.install("strict")
+            if name == "holder":
+                assert instrument._active is not None
+                instrument._active.guard.loads.now = Loading()  # a load-back's, as start_loading's hook sets it
             pool = MHATokenToKVPool(2 * tokens, 1, torch.bfloat16, 8, 128, 1, "cpu", False)
             slots = TokenToKVPoolAllocator(2 * tokens, torch.bfloat16, "cpu", pool, False).alloc(tokens)
             host = MHATokenToKVPoolHost(pool._mha_buffer_info(), 2.0, 0, 1, "layer_first", pin_memory=False,
@@ -98,14 +106,18 @@ def load_rows(quick: bool) -> list[dict]:
 
         def load(name: str) -> None:
             host, pool, host_ids, slots = loads[name]
+            if name == "holder":  # each call a new load-back's first layer: checked, not served by the memo
+                instrument._active.guard.loads.now.done.clear()
             host.load_to_device_per_layer(pool, host_ids, slots, 0, "direct")
 
         calls, rounds = (3, 2) if quick else (50, 15)
-        names = ("unguarded", "guarded")
+        names = ("unguarded", "guarded", "holder")
         samples = per_call_us({name: (lambda n=name: load(n)) for name in names}, calls, rounds,
                               {name: (lambda n=name: setup(n)) for name in names})
         out.append({"tokens": tokens, **{k: statistics.median(v) for k, v in samples.items()},
-                    "x": ratio(samples, "guarded", "unguarded")})
+                    "x": ratio(samples, "guarded", "unguarded"), "x_holder": ratio(samples, "holder", "unguarded"),
+                    "x_added": ratio(samples, "holder", "guarded"),  # the holder check, per round, back to back:
+                    "added_us": statistics.median(h - g for h, g in zip(samples["holder"], samples["guarded"]))})
     sglang_oobguard.uninstall()
     return out
 
@@ -124,10 +136,13 @@ def main() -> int:
         print(f"| {label} | {row['tokens']} | {row['unguarded']:.1f} us | {row['alone']:.1f} us | "
               f"{row['guarded']:.1f} us | {row['x']:.2f}x | {row['x_alone']:.2f}x |")
     print("\nHiCache host -> device load of one layer (bf16, 8 x 128), per call, strict + liveness:")
-    print("| tokens | unguarded | guarded | ratio |")
-    print("|---|---|---|---|")
+    print("| tokens | unguarded | guarded | ratio | guarded in a load-back (+ holder check) | ratio "
+          "| holder check per load |")
+    print("|---|---|---|---|---|---|---|")
     for row in load_rows(quick):
-        print(f"| {row['tokens']} | {row['unguarded']:.1f} us | {row['guarded']:.1f} us | {row['x']:.2f}x |")
+        print(f"| {row['tokens']} | {row['unguarded']:.1f} us | {row['guarded']:.1f} us | {row['x']:.2f}x | "
+              f"{row['holder']:.1f} us | {row['x_holder']:.2f}x | {row['added_us']:+.1f} us "
+              f"({row['x_added']:.2f}x of guarded) |")
     return 0
 
 

@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from sglang_oobguard.model.transfertargets import HICACHE_SINCE, TRANSFER_SINCE
+
 GUARD_VARS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE",
               "SGLANG_OOBGUARD_BACKEND", "SGLANG_OOBGUARD_POLL_EVERY", "SGLANG_OOBGUARD_WARN_INTERVAL_S",
               "SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_REPORT_DIR", "SGLANG_OOBGUARD_OWN_TIME",
@@ -144,14 +146,13 @@ FACTS: dict[str, Fact] = {
         _has("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator.free_page_ids"), "0.5.20"),
     # PD disaggregation's decode side: the queue methods the KV transfer check hooks
     "DecodePreallocQueue._send_kv_metadata": Fact(
-        _has("sglang.srt.disaggregation.decode", "DecodePreallocQueue._send_kv_metadata"), "? (checked on 0.5.23)"),
+        _has("sglang.srt.disaggregation.decode", "DecodePreallocQueue._send_kv_metadata"), TRANSFER_SINCE),
     "SchedulerDisaggregationPrefillMixin._send_kv_chunk": Fact(
         _has("sglang.srt.disaggregation.prefill", "SchedulerDisaggregationPrefillMixin._send_kv_chunk"),
-        "? (checked on 0.5.23)"),
+        TRANSFER_SINCE),
     # HiCache's host pool (the CPU shim tests/hicache_shim.py stands in for its CUDA-only parts)
     "MHATokenToKVPoolHost.load_to_device_per_layer": Fact(
-        _has("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost.load_to_device_per_layer"),
-        "? (checked on 0.5.23)"),
+        _has("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost.load_to_device_per_layer"), HICACHE_SINCE),
     # the speculative CPU ops the stand-in comparisons (tests/test_standins.py) run
     "assign_req_to_token_pool": Fact(_has("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool"), "0.5.16"),
     "assign_extend_cache_locs": Fact(_has(f"{SPECULATIVE}.cache_locs", "assign_extend_cache_locs"), "0.5.16"),

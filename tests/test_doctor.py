@@ -15,7 +15,9 @@ import pytest
 from importlib.metadata import version
 
 from helpers import ROOT, SGLANG, has, run_python
-from sglang_oobguard.model.transfertargets import HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
+from sglang_oobguard.model.targets import module_file
+from sglang_oobguard.model.transfertargets import (HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS, HICACHE_SINCE,
+                                                  TRANSFER_HOOKS, TRANSFER_SINCE)
 
 DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['doctor']))"
 # What the doctor's own discovery should list, from the same walk in a second interpreter.
@@ -97,6 +99,11 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
             assert any(f"{owner}.{method}" in line and what in line and
                        (f"found in {where}" if has("MHATokenToKVPoolHost.load_to_device_per_layer") else "ABSENT") in line
                        for line in sections["HiCache"]), method
+    for where, owner, method, _ in HICACHE_LOAD_HOOKS:  # the holder check: what each load is for
+        here = module_file(where) is not None and method in vars(getattr(importlib.import_module(where), owner, object))
+        assert any(f"{owner}.{method}" in line and (f"found in {where}" if here else "ABSENT") in line
+                   for line in sections["HiCache"]), method
+    assert f"KV transfers (PD disaggregation, sglang {TRANSFER_SINCE}+" in out and f"HiCache (sglang {HICACHE_SINCE}+" in out
 
 
 def section_rows(out: str) -> dict[str, list[str]]:

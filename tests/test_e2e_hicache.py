@@ -2,9 +2,12 @@
 sglang Engine on the CPU, through the test-only shim tests/hicache_shim.py (loaded in the engine's
 processes by the fault plugin, OOBGUARD_HICACHE_SHIM=1; its docstring says which CUDA-only parts it
 stands in for). A 400-token prompt is evicted from the 768-slot device pool by four more and asked
-again: loaded back from the host pool (`cached_tokens` 359 of 360)."""
+again while another request decodes: loaded back from the host pool (`cached_tokens` 359 of 360)
+beside a running request."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -15,6 +18,13 @@ pytestmark = pytest.mark.e2e
 
 SHIM = {"OOBGUARD_HICACHE_SHIM": "1"}
 STRICT = {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1", **SHIM}
+WARN = {**STRICT, "SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0"}
+HELD = re.compile(r"oobguard_faultinject: HiCache load device_indices\[2\] -> (\d+) \(request runner token (\d+)")
+# the guard's report of the held slot: what the load is for, the holder, the slot's history
+HELD_REPORT = (r"load_to_device_per_layer \(HiCache host->device load\) device_indices layer 1: loc\[2\] = {slot}: a "
+               r"HiCache load for tree node \d+ \(request again\) into a slot another running request holds; slot "
+               r"{slot} is held by request runner token {token} \(pool MHATokenToKVPool\); request again; slot {slot} "
+               r"last freed at step -?\d+ by [^;]+, last allocated at step \d+ by ")
 
 
 @pytest.fixture(autouse=True)
@@ -22,8 +32,13 @@ def _hicache():
     needs("MHATokenToKVPoolHost.load_to_device_per_layer")
 
 
-def test_backup_eviction_and_load_back_are_clean_and_unchanged_under_strict_liveness(model):
-    reference = run_engine(model, SHIM, workload="hicache")
+@pytest.fixture(scope="module")
+def reference(model):
+    """The workload unguarded, through the shim: the tokens both tests compare with (one engine run)."""
+    return run_engine(model, SHIM, workload="hicache")
+
+
+def test_backup_eviction_and_load_back_are_clean_and_unchanged_under_strict_liveness(model, reference):
     assert reference.returncode == 0 and "outputs" in reference.result, reference.log[-3000:]
     assert reference.result["cached"][-1] == reference.result["prompt"][-1] - 1  # the first prompt, from the host
     run = run_engine(model, STRICT, workload="hicache")
@@ -31,10 +46,20 @@ def test_backup_eviction_and_load_back_are_clean_and_unchanged_under_strict_live
     assert "sglang_oobguard active" in run.log and "KVOutOfBoundsError" not in run.log and not run.leftovers
 
 
-def test_a_load_into_a_slot_past_the_pool_is_reported_at_the_load(model):
-    run = run_engine(model, {**STRICT, "OOBGUARD_HICACHE_FAULT": "high"}, workload="hicache")
+def test_loads_into_a_slot_past_the_pool_and_into_a_running_requests_slot_are_reported_and_contained(model, reference):
+    """One load-back, two stale device ids (the fault plugin's OOBGUARD_HICACHE_FAULT=high,held, at layer 1):
+    one past the pool, one the slot the running request wrote at its last decode step. Warn mode reports
+    both at the load, naming the tree node and request it loads for and the holder, and contains them:
+    no torch error, and the running request's KV is kept (its tokens as without the faults)."""
+    run = run_engine(model, {**WARN, "OOBGUARD_HICACHE_FAULT": "high,held"}, workload="hicache")
     assert "oobguard_faultinject: HiCache load device_indices[1] -> 772" in run.log, run.log[-3000:]
-    assert ("KVOutOfBoundsError: load_to_device_per_layer (HiCache host->device load) device_indices layer 1: "
-            "1 of 358 slot ids outside [0, 769): loc[1] = 772 (pool MHATokenToKVPool)") in run.log, run.log[-3000:]
-    assert "out of bounds for dimension" not in run.log  # stopped before torch's copy
-    assert run.result is None and run.returncode != 0 and not run.leftovers
+    held = HELD.search(run.log)
+    assert held, run.log[-3000:]
+    slot, token = held.groups()
+    assert ("load_to_device_per_layer (HiCache host->device load) device_indices layer 1: 1 of 358 slot ids "
+            "outside [0, 769): loc[1] = 772 (pool MHATokenToKVPool)") in run.log, run.log[-3000:]
+    report = re.search(HELD_REPORT.format(slot=slot, token=token), run.log)
+    assert report, run.log[-3000:]
+    assert "out of bounds for dimension" not in run.log  # contained before torch's copy
+    assert run.returncode == 0 and run.result["runner"] == reference.result["runner"], run.log[-3000:]
+    assert run.result["runner_finish"] == reference.result["runner_finish"] and not run.leftovers

@@ -85,3 +85,83 @@ def test_warn_contains_a_bad_load_to_the_padding_slot(hicache):
     host.load_to_device_per_layer(pool, torch.arange(4), fresh, 0, "direct")
     assert sglang_oobguard.violations()[0].kind == "bounds"
     assert torch.equal(pool.k_buffer[0][fresh[[0, 2, 3]]], pool.k_buffer[0][slots[[0, 2, 3]]])  # the others loaded
+
+
+# -- the holder check (checks/hiloads.py): a load-back into a slot a running request holds --------------
+# sglang's real HiCacheController (io_backend "direct") queues and starts the load-back; the running
+# request is a row of test_stepmap's runner (sglang's ModelRunner with the guard's step hook), whose
+# decode steps write, and so own, its slots. The fault is a stale id in the queued load (`load_queue`).
+
+
+@pytest.fixture
+def loading(hicache, mp, monkeypatch):
+    """make(mode): the hicache fixture's pools, a running request r1 (row 1) that wrote 4 slots in 4
+    decode steps, a HiCacheController over the pools, and 8 backed-up host slots. The holder check reads
+    the owner table, which the write map's owner check keeps: where the write map runs."""
+    import threading
+
+    from sglang_oobguard.model.targets import write_map_off
+
+    if write_map_off():
+        pytest.skip(write_map_off())
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    from test_reads import step
+    from test_stepmap import step_runner
+
+    def make(mode: str):
+        pool, alloc, host, slots = hicache(mode)
+        run, _ = step_runner(mp, monkeypatch)(pool)
+        run.req_to_token_pool.req_to_token.zero_()
+        for n in range(1, 5):
+            step(run, alloc, {1: n})
+        held = run.req_to_token_pool.req_to_token[1, :4].long()
+        host_ids = host.alloc(8)
+        host.backup_from_device_all_layer(pool, host_ids, slots, "direct")
+        controller = HiCacheController(alloc, host, 1, None, threading.Event(), io_backend="direct")
+        return pool, controller, host_ids, held, slots
+
+    return make
+
+
+def test_a_load_back_beside_a_running_request_passes(loading):
+    pool, controller, host_ids, held, _ = loading("strict")
+    before = pool.k_buffer[0][held].clone()
+    fresh = controller.load(host_ids, node_id=7)
+    controller.start_loading()
+    assert torch.equal(pool.k_buffer[0][held], before) and not sglang_oobguard.violations()
+    assert not set(fresh.tolist()) & set(held.tolist())
+
+
+def test_a_load_back_into_a_running_requests_slot_names_the_node_and_the_holder(loading):
+    pool, controller, host_ids, held, _ = loading("strict")
+    controller.load(host_ids, node_id=7)
+    controller.load_queue[0].device_indices[2] = held[3]  # a stale id upstream of the load
+    before = pool.k_buffer[0][held].clone()
+    with pytest.raises(Exception) as info:  # on the CPU sglang's cleanup (l2_transfer's except: a CPU stream's
+        controller.start_loading()           # synchronize, which torch.cpu.Stream lacks) raises during handling
+    error = info.value
+    while error is not None and not isinstance(error, KVOutOfBoundsError):
+        error = error.__context__
+    assert error is not None, info.value
+    v = error.violation
+    assert (v.kind, v.pos, v.value, v.node, v.owner, v.owner_token) == ("held", 2, int(held[3]), 7, "r1", 3)
+    assert v.label == "load_to_device_per_layer (HiCache host->device load) device_indices"
+    assert f"loc[2] = {int(held[3])}: a HiCache load for tree node 7 into a slot another running request " \
+           f"holds; slot {int(held[3])} is held by request r1 token 3" in v.described()
+    assert v.allocated_step >= 0 and v.allocated_by and "step" in v.allocated_by, v  # the slot's history
+    assert torch.equal(pool.k_buffer[0][held], before)  # raised before the copy
+
+
+def test_warn_contains_a_load_into_a_held_slot_and_loads_the_others(loading):
+    pool, controller, host_ids, held, slots = loading("warn")
+    fresh = controller.load(host_ids, node_id=7).clone()
+    controller.load_queue[0].device_indices[2] = held[0]
+    before = [pool.k_buffer[layer][held].clone() for layer in range(pool.layer_num)]
+    controller.start_loading()
+    assert [v.kind for v in sglang_oobguard.violations()] == ["held"]
+    others = [0, 1, *range(3, 8)]
+    for layer in range(pool.layer_num):
+        assert torch.equal(pool.k_buffer[layer][held], before[layer])  # the running request's KV kept
+        assert torch.equal(pool.k_buffer[layer][fresh[others]], pool.k_buffer[layer][slots[others]])  # loaded

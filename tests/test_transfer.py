@@ -15,7 +15,7 @@ import torch
 import pytest
 
 import sglang_oobguard
-from helpers import DecodeSide, mha, needs, token_allocator
+from helpers import DecodeSide, has, mha, needs, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
 from sglang_oobguard.checks import transfer
 
@@ -198,3 +198,23 @@ def test_prefill_source_pages_freed_or_of_another_request_are_reported(prefill, 
     violation = info.value.violation
     assert (violation.kind, violation.pos, violation.request, violation.room) == (kind, 2, "p0", 20)
     assert violation.label == transfer.SOURCE_LABEL and not req.disagg_kv_sender.has_sent
+
+
+def test_the_activation_line_says_which_kv_transfer_checks_run_and_from_which_release(guard, caplog):
+    """Read from sglang's files: each hook this release defines (helpers.has asks the classes)."""
+    import logging
+
+    from sglang_oobguard.activate import kvhooks
+    from sglang_oobguard.model.transfertargets import HICACHE_SINCE, TRANSFER_SINCE
+
+    pd = has("DecodePreallocQueue._send_kv_metadata") and has("SchedulerDisaggregationPrefillMixin._send_kv_chunk")
+    hicache = has("MHATokenToKVPoolHost.load_to_device_per_layer")
+    line = kvhooks.releases()
+    assert f"PD transfer check {'on' if pd else 'off'} (sglang {TRANSFER_SINCE}+, with liveness)" in line
+    assert f"HiCache check {'on' if hicache else 'off'} (sglang {HICACHE_SINCE}+;" in line
+    named = " ".join(f"{what} {where}" for what, where in kvhooks.absent())
+    assert ("DecodePreallocQueue._send_kv_metadata" in named) != has("DecodePreallocQueue._send_kv_metadata")
+    assert ("MHATokenToKVPoolHost.load_to_device_per_layer" in named) != hicache
+    with caplog.at_level(logging.INFO, logger="sglang_oobguard"):
+        guard("warn", liveness=True)
+    assert any("sglang_oobguard active" in r.getMessage() and line in r.getMessage() for r in caplog.records)

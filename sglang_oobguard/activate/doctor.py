@@ -19,7 +19,8 @@ from ..model.quiet import quiet
 from ..model.swatargets import FAMILIES, UNTRACKED_WHY
 from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED,
                              is_supported, module_file, version_of_sglang, write_map_off)
-from ..model.transfertargets import DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_METHODS, HICACHE_POOLS, TRANSFER_HOOKS
+from ..model.transfertargets import (DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS,
+                                     HICACHE_SINCE, TRANSFER_HOOKS, TRANSFER_SINCE)
 from ..model.violation import site_label
 
 
@@ -131,21 +132,29 @@ def _outside_pools() -> list[str]:
         here = next((state for state in states if state.startswith("found")), states[0])
         values = ", ".join(name for _, name in _stored(writer)) or "NOT seen"
         lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}; values: {values}")
+    from ..checks.hiloads import LOAD_ROLES  # needs torch, as the next
     from ..checks.transfer import HOOK_ROLES, NO_DRAIN  # needs torch: imported after _inspect checked for it
 
-    lines.append("KV transfers (PD disaggregation, with liveness; only the ids are seen, the transfer "
-                 "engine's RDMA write itself is not observable):")
+    lines.append(f"KV transfers (PD disaggregation, sglang {TRANSFER_SINCE}+, with liveness; only the ids are seen, "
+                 "the transfer engine's RDMA write itself is not observable):")
     for module, owner, method, kind in TRANSFER_HOOKS:
         lines.append(f"  {owner + '.' + method:48} {HOOK_ROLES[kind]}: {found(module, owner, method)}")
     lines += [f"  every backend's transfers (mooncake, nixl, mori, ascend, fake); an aborted one ends at the drain "
               f"signal kv_mgr.{DRAIN_SIGNAL} (armed by {DRAIN_ARMED}), never at sglang's release-anyway timeout;",
               f"  {NO_DRAIN}; the prefill side's sends are checked where a sender's send is wrapped at its first call"]
-    lines.append("HiCache (the host pool's copies into and out of device slots, probed like a write of the device pool):")
+    lines.append(f"HiCache (sglang {HICACHE_SINCE}+: the host pool's copies into and out of device slots, probed like "
+                 "a write of the device pool):")
     for where, owner in HICACHE_POOLS:
         for method, what in HICACHE_METHODS:
             lines.append(f"  {owner + '.' + method:48} {what}: device_indices in [0, {POOL_IDS.rule}), live: "
                          f"{found(where, owner, method)}")
-    lines.append("  not checked: which request or tree node holds a loaded slot; the other host pools (their ids are "
+    lines.append("  the holder check, with liveness, where the write map runs (" + (write_map_off() or "on here") +
+                 "): a load's slot another running request owns (the owner table) is reported, naming what the load "
+                 "is for:")
+    for where, owner, method, kind in HICACHE_LOAD_HOOKS:
+        lines.append(f"  {owner + '.' + method:48} {LOAD_ROLES[kind]}: {found(where, owner, method)}")
+    lines.append("  not checked: loads on a GPU (the owner table is device memory: no host sync); a slot freed under its "
+                 "request and handed to a load (the read check names its reader); the other host pools (their ids are "
                  "virtual or paged)")
     return lines
 

@@ -278,12 +278,12 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.patches.entries if isinstance(entry, Found)]
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
-                "defined so far), sglang %s, liveness=%s (owner check %s), finite=%s, %s", os.getpid(),
+                "defined so far), sglang %s, liveness=%s (owner check %s), finite=%s, %s, %s", os.getpid(),
                 config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
                 version, f"on (tracks {FAMILIES_SHORT})" if config.liveness else "off", "on" if config.liveness else "off",
                 "on" if config.finite else "off",
                 f"write map off ({write_map_off()})" if write_map_off() else
-                f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})")
+                f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})", kvhooks.releases())
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,

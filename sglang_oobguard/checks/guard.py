@@ -24,6 +24,7 @@ from ..report import owntime
 from ..report.reporter import Reporter
 from .calls import CallState
 from .steps import Steps
+from .hiloads import Loads
 from .transfer import Transfers
 
 STEP_LABEL = "out_cache_loc (forward step)"  # the step check's site
@@ -46,7 +47,7 @@ class Guard:
         self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
         self.calls = CallState()
         self.steps = Steps()
-        self.transfers = Transfers()  # PD decode: KV transfers in flight (liveness)
+        self.transfers, self.loads = Transfers(), Loads()  # PD decode's transfers in flight; HiCache's loads (liveness)
         self.step_site = site_id(STEP_LABEL)
         self.bounds[self.step_site] = POOL_IDS.rule
 

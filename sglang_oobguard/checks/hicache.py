@@ -10,7 +10,7 @@ the host pools' `load_to_device_per_layer` and `backup_from_device_all_layer`
 (`POOL_IDS`) and, with liveness, the shadow (a load into a slot the allocator has
 taken back); on a GPU by the kernel, without a host sync, and contained in warn and
 raise mode (bad ids go to padding slot 0). Which request or node holds a slot is not
-known at this level: a load into a live slot of another running request passes.
+known at this level: `hiloads` checks a load's live slots against their owners.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from ..model.discover import base_class
 from ..model.targets import POOL_IDS
 from ..model.violation import site_id
+from . import hiloads
 from .guard import Guard
 from .writes import argument, check_write, replaced
 
@@ -48,6 +49,9 @@ def make_wrapper(method: str, what: str, guard: Guard) -> Callable[..., Any]:
         layer = argument(args, kwargs, 3, "layer_id", -1) if method.startswith("load") else -1
         passed = check_write(guard, device_pool, site, 0, ids, POOL_IDS.high(device_pool),
                              lambda: int(layer) if isinstance(layer, int) else -1)
+        if method.startswith("load") and guard.config.liveness:
+            passed = hiloads.check(guard, device_pool, site, argument(args, kwargs, 1, "host_indices"), passed,
+                                   int(layer) if isinstance(layer, int) else -1)
         if passed is not ids:
             args, kwargs = replaced(args, kwargs, DEVICE_IDS[0], DEVICE_IDS[1], len(args) > DEVICE_IDS[0], passed)
         return wrapped(*args, **kwargs)

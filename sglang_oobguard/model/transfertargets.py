@@ -24,3 +24,15 @@ DRAIN_SIGNAL, DRAIN_ARMED = "is_abort_release_safe", "enable_deferred_decode_kv_
 HICACHE_POOLS = (("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost"),
                  ("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost"))
 HICACHE_METHODS = (("load_to_device_per_layer", "host->device load"), ("backup_from_device_all_layer", "device->host backup"))
+# What a HiCache load is for (`checks.hiloads`): the load-backs a controller starts, the request that
+# asked for a tree node's load-back, a retracted request's restore into its own row.
+HICACHE_LOAD_HOOKS = (("sglang.srt.managers.cache_controller", "HiCacheController", "start_loading", "loads"),
+                      ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache", "load_back", "asked"),
+                      ("sglang.srt.mem_cache.unified_radix_cache", "UnifiedRadixCache", "restore_kv_cache", "restore"))
+# The releases that have them (read from sglang's wheels): the send hooks (`_send_kv_metadata`,
+# `_send_kv_chunk`) and the restore arrived in 0.5.21; `pool_host/mha.py` in 0.5.16 (the host pools
+# lived in memory_pool_host.py before: not hooked). The holder check reads the owner table, which the
+# write map's owner check keeps: where the write map runs (targets.WRITE_MAP_SINCE).
+TRANSFER_SINCE, HICACHE_SINCE = "0.5.21", "0.5.16"
+TRANSFER_ENTRIES = ((_DECODE, "DecodePreallocQueue", "_send_kv_metadata"),
+                    (_PREFILL, "SchedulerDisaggregationPrefillMixin", "_send_kv_chunk"))

@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     REPOINTED = 14  # a running request's req_to_token entry, already read, now names another slot (read check)
     NOT_STEP = 15  # a write with ids of its own (not the step's out_cache_loc) into a slot no token of the step writes
     NONFINITE = 16  # a value written is NaN or +-Inf (SGLANG_OOBGUARD_FINITE)
+    HELD = 17  # a HiCache host -> device load into a slot another running request holds (`hiloads`)
 
 
 READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kinds, by name
@@ -125,6 +126,7 @@ class Violation:
     # A KV transfer into the pages (PD disaggregation): its bootstrap room and the step it was sent at.
     room: Optional[int] = None
     sent_step: int = -1
+    node: Optional[int] = None  # a HiCache load-back: the radix tree node it loads for
     # The slot's history (liveness on): its generation and its last allocation and free.
     generation: int = -1  # the serial of the allocator call that last handed it out (-1: not tracked)
     allocated_step: int = -1
@@ -294,6 +296,10 @@ def _what(v: Violation) -> str:
         return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
     if v.kind in READ_KINDS:
         return _read(v) + held + more
+    if v.kind == "held":
+        what = f"tree node {v.node}" + (f" (request {v.request})" if v.request else "") if v.node is not None \
+            else f"request {v.request}"
+        return f"{at}: a HiCache load for {what} into a slot another running request holds{held}{more}"
     if v.kind == "not_step":
         return f"{at} is not a slot this forward step's tokens write (ids of the writer's own){held}{more}"
     return f"{at} is owned by another running request{held}{more}"

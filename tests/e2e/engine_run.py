@@ -213,15 +213,31 @@ def decode(engine, abort: bool) -> dict:
 
 def hicache(engine) -> dict:
     """A 400-token prompt, four more that evict it from the device pool (backed up to the host
-    pool first), then the first again: loaded back from the host. Greedy; tokens and cached
-    tokens of each of the six answers."""
+    pool first), then the first again (rid "again") while another request ("runner", 96 tokens,
+    EOS ignored) decodes: loaded back from the host beside a running request. Greedy; tokens and
+    cached tokens of each of the six answers, and the runner's tokens."""
+    import asyncio
+
     first = " ".join([PREFIXES[0]] * 12)
     others = [" ".join([prefix] * 12) for prefix in PREFIXES[1:]] + [" ".join([PREFIXES[2], PREFIXES[1]] * 6)]
     params = {"temperature": 0, "max_new_tokens": 8}
-    outs = [engine.generate(prompt, params) for prompt in [first, *others, first]]
+    outs = [engine.generate(prompt, params) for prompt in [first, *others]]
+
+    async def beside() -> list:
+        runner = await engine.async_generate("hierarchical caching keeps evicted prefixes in host memory",
+                                             {"temperature": 0, "max_new_tokens": 96, "ignore_eos": True},
+                                             rid="runner", stream=True)
+        chunks = [await runner.__anext__(), await runner.__anext__()]  # its prefill, then a decode step
+        again = asyncio.ensure_future(engine.async_generate(first, params, rid="again"))
+        chunks += [chunk async for chunk in runner]
+        return [await again, chunks[-1]]
+
+    again, runner = asyncio.get_event_loop().run_until_complete(beside())
+    outs.append(again)
     return {"outputs": [out["output_ids"] for out in outs],
             "cached": [out["meta_info"].get("cached_tokens") for out in outs],
-            "prompt": [out["meta_info"].get("prompt_tokens") for out in outs]}
+            "prompt": [out["meta_info"].get("prompt_tokens") for out in outs],
+            "runner": runner["output_ids"], "runner_finish": runner["meta_info"].get("finish_reason")}
 
 
 def main(model: str, workload: str = "batch", *extra: str) -> int:

@@ -26,7 +26,7 @@ STANDIN = HERE.parent / "standins"
 RADIX_POOL = 384  # the radix workload's max_total_tokens (engine_run.py)
 PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "OOBGUARD_TRANSFER", "OOBGUARD_HICACHE_SHIM",
-           "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "TRITON_INTERPRET", "SGLANG_PLUGINS")
+           "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "OOBGUARD_PD_SHIM", "TRITON_INTERPRET", "SGLANG_PLUGINS")
 
 
 @dataclass
@@ -187,46 +187,69 @@ def reference_tokens(model: Path, workload: str, options: tuple[str, ...] = ()) 
     return run.result["outputs"]
 
 
-def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float = 240) -> Run:
-    """`python -m sglang.launch_server --device cpu` on 127.0.0.1: wait for /health, one
-    /generate, then SIGTERM to the server and a bounded wait (a group SIGKILL only as
-    the fallback); result holds the /generate answer."""
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+        return sock.getsockname()[1]
+
+
+def start_server(model: Path, env: dict[str, str], log_file, extra: tuple[str, ...] = ()) -> tuple:
+    """`python -m sglang.launch_server --device cpu` on 127.0.0.1 (`extra`: more of its flags):
+    (process, its marker, its base URL)."""
+    port = free_port()
     args = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
             "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
             "--disable-cuda-graph", "--max-total-tokens", "2048", "--mem-fraction-static", "0.05",
-            "--context-length", "512"]
-    base = f"http://127.0.0.1:{port}"
-    result = None
-    with open(log_path, "w") as log_file:
-        proc, marker = _start(args, env, log_to=log_file)
+            "--context-length", "512", *extra]
+    proc, marker = _start(args, env, log_to=log_file)
+    return proc, marker, f"http://127.0.0.1:{port}"
+
+
+def wait_up(proc: subprocess.Popen, base: str, deadline: float) -> None:
+    """Until the server answers /health (or dies, or the deadline passes)."""
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    urllib.request.urlopen(base + "/health", timeout=2)
-                    break
-                except OSError:
-                    time.sleep(1)
-            body = json.dumps({"text": "the quick brown fox",
-                               "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).encode()
-            request = urllib.request.Request(base + "/generate", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=60) as answer:
-                result = json.loads(answer.read())
-        finally:
-            if proc.poll() is None:  # the server alone: it stops its own children
-                os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+
+
+def generate(base: str, body: dict, timeout: float = 60) -> dict:
+    request = urllib.request.Request(base + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read())
+
+
+def stop_server(proc: subprocess.Popen, marker: str) -> list[int]:
+    """SIGTERM to the server and a bounded wait (a group SIGKILL only as the fallback);
+    returns the pids it left, killed."""
+    if proc.poll() is None:  # the server alone: it stops its own children
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     time.sleep(1)
     leftovers = marked_processes(marker)
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)
+    return leftovers
+
+
+def serve_once(model: Path, env: dict[str, str], log_path: Path, timeout: float = 240) -> Run:
+    """The server (`start_server`): wait for /health, one /generate, then `stop_server`;
+    result holds the /generate answer."""
+    result = None
+    with open(log_path, "w") as log_file:
+        proc, marker, base = start_server(model, env, log_file)
+        try:
+            wait_up(proc, base, time.monotonic() + timeout)
+            result = generate(base, {"text": "the quick brown fox",
+                                     "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+        finally:
+            leftovers = stop_server(proc, marker)
     return Run(proc.returncode, result, log_path.read_text(), leftovers)
 
 

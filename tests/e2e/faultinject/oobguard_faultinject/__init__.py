@@ -2,8 +2,8 @@
 and a tally of the KV writes, moves and frees the engine made.
 
 Loaded by sglang's own `load_plugins()` like any plugin. With none of the variables
-below set (OOBGUARD_FAULT, OOBGUARD_COUNT; OOBGUARD_TRANSFER, OOBGUARD_HICACHE_SHIM and
-OOBGUARD_HICACHE_FAULT at the end) it does nothing.
+below set (OOBGUARD_FAULT, OOBGUARD_COUNT; OOBGUARD_TRANSFER, OOBGUARD_HICACHE_SHIM,
+OOBGUARD_HICACHE_FAULT at the end; OOBGUARD_PD_SHIM: tests/pd_shim.py) it does nothing.
 
 `OOBGUARD_FAULT=step=3,token=1,value=high+3` (step may be a range, `3-6`; value
 `high+K` means the pool's size + page_size + K, or a literal such as `-1`) wraps
@@ -320,8 +320,14 @@ def load() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
         wrapt.register_post_import_hook(lambda module: __import__("hicache_shim").install(),
                                         "sglang.srt.mem_cache.pool_host.mla")
+    if os.environ.get("OOBGUARD_PD_SHIM"):  # tests/pd_shim.py: mooncake's prefill send on a CPU
+        sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+        wrapt.register_post_import_hook(lambda module: __import__("pd_shim").install(),
+                                        "sglang.srt.disaggregation.mooncake.conn")
     if os.environ.get("OOBGUARD_HICACHE_FAULT"):
         wrapt.register_post_import_hook(_patch_load, "sglang.srt.mem_cache.pool_host.mha")
+        if "held" in _faults():
+            wrapt.register_post_import_hook(_record_decode, "sglang.srt.model_executor.model_runner")
     if os.environ.get("OOBGUARD_TRANSFER"):
         wrapt.register_post_import_hook(_patch_fake, "sglang.srt.disaggregation.fake.conn")
         wrapt.register_post_import_hook(_patch_alloc, "sglang.srt.mem_cache.allocator.token")
@@ -425,21 +431,37 @@ def _patch_alloc(module) -> None:
 
 
 
-# -- OOBGUARD_HICACHE_FAULT=high: HiCache's first host -> device load gets a device slot past the pool -----
-# (device_indices[1] = size + page_size + 3) on the second load call (layer 1 of the first load-back): the
-# first call wraps the fault outermost, so that the guard's wrapper sees the bad id as a bug upstream of the
-# load would hand it.
-_loads: list[bool] = []
+# -- OOBGUARD_HICACHE_FAULT=high,held: stale device slots in HiCache's first host -> device load ----------------
+# On its call for layer 1 (the first call wraps the fault outermost, so that the guard's wrapper sees the bad
+# ids as a bug upstream of the load would hand them): `high` sets device_indices[1] past the pool (size +
+# page_size + 3); `held` sets device_indices[2] to the slot a running request wrote at the last decode step
+# (the request of the last decode batch's first token, read from req_to_token), so that the load would
+# overwrite that request's KV.
 _load_wrapped: list[bool] = []
+_decoded: list = []  # the last decode forward: (req_to_token, its req_pool_indices, seq_lens, rids)
+
+
+def _faults() -> set:
+    return set(os.environ.get("OOBGUARD_HICACHE_FAULT", "").split(","))
 
 
 def _bad_load(wrapped, instance, args, kwargs):
-    if not _loads:
-        _loads.append(True)
+    if args[3] == 1 and _load_wrapped[0]:
+        _load_wrapped[0] = False  # the first load-back only
         pool, ids = args[0], args[2].clone()
-        ids[1] = pool.size + pool.page_size + 3
-        print(f"oobguard_faultinject: HiCache load device_indices[1] -> {int(ids[1])} (layer {args[3]})",
-              file=sys.stderr, flush=True)
+        if "high" in _faults():
+            ids[1] = pool.size + pool.page_size + 3
+            print(f"oobguard_faultinject: HiCache load device_indices[1] -> {int(ids[1])} (layer 1)",
+                  file=sys.stderr, flush=True)
+        if "held" in _faults():
+            table, rows, seq_lens, rids = _decoded[-1] if _decoded else (None, None, None, None)
+            if table is None:
+                print("oobguard_faultinject: HiCache held fault: no decode step yet", file=sys.stderr, flush=True)
+            else:
+                token = int(seq_lens[0]) - 1
+                ids[2] = int(table[int(rows[0]), token])
+                print(f"oobguard_faultinject: HiCache load device_indices[2] -> {int(ids[2])} (request "
+                      f"{rids[0] if rids else None} token {token}, layer 1)", file=sys.stderr, flush=True)
         args = (*args[:2], ids, *args[3:])
     return wrapped(*args, **kwargs)
 
@@ -454,3 +476,16 @@ def _patch_load(module) -> None:
         return wrapped(*args, **kwargs)
 
     wrapt.wrap_function_wrapper(module, "MHATokenToKVPoolHost.load_to_device_per_layer", first)
+
+
+def _record_decode(module) -> None:
+    import wrapt
+
+    def forward(wrapped, instance, args, kwargs):
+        batch = args[0] if args else kwargs["forward_batch"]
+        if batch.forward_mode.name.lower() == "decode" and batch.batch_size:
+            _decoded[:] = [(instance.req_to_token_pool.req_to_token, batch.req_pool_indices.clone(),
+                            batch.seq_lens_cpu.clone(), list(batch.rids or []))]
+        return wrapped(*args, **kwargs)
+
+    wrapt.wrap_function_wrapper(module, "ModelRunner.forward", forward)
