@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 
-from sglang_oobguard.model.transfertargets import HICACHE_SINCE, TRANSFER_SINCE
 
 GUARD_VARS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE",
               "SGLANG_OOBGUARD_BACKEND", "SGLANG_OOBGUARD_POLL_EVERY", "SGLANG_OOBGUARD_WARN_INTERVAL_S",
@@ -104,7 +103,9 @@ def _imports_here(module: str) -> Callable[[], bool]:
 @dataclass(frozen=True)
 class Fact:
     detect: Callable[[], bool]
-    since: str  # the release it arrived in (for the skip's reason; the detection decides)
+    since: str  # the release it arrived in (for the skip's reason; the detection decides); a name in
+    # sglang_oobguard.model.transfertargets: read at the skip (importing the guard here would import it
+    # in every fresh interpreter that runs SHIM, before the test chose which copy of the guard to import)
     why: str = ""  # the skip's reason where it is absent for another cause than age
 
 
@@ -146,13 +147,13 @@ FACTS: dict[str, Fact] = {
         _has("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator.free_page_ids"), "0.5.20"),
     # PD disaggregation's decode side: the queue methods the KV transfer check hooks
     "DecodePreallocQueue._send_kv_metadata": Fact(
-        _has("sglang.srt.disaggregation.decode", "DecodePreallocQueue._send_kv_metadata"), TRANSFER_SINCE),
+        _has("sglang.srt.disaggregation.decode", "DecodePreallocQueue._send_kv_metadata"), "TRANSFER_SINCE"),
     "SchedulerDisaggregationPrefillMixin._send_kv_chunk": Fact(
         _has("sglang.srt.disaggregation.prefill", "SchedulerDisaggregationPrefillMixin._send_kv_chunk"),
-        TRANSFER_SINCE),
+        "TRANSFER_SINCE"),
     # HiCache's host pool (the CPU shim tests/hicache_shim.py stands in for its CUDA-only parts)
     "MHATokenToKVPoolHost.load_to_device_per_layer": Fact(
-        _has("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost.load_to_device_per_layer"), HICACHE_SINCE),
+        _has("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost.load_to_device_per_layer"), "HICACHE_SINCE"),
     # the speculative CPU ops the stand-in comparisons (tests/test_standins.py) run
     "assign_req_to_token_pool": Fact(_has("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool"), "0.5.16"),
     "assign_extend_cache_locs": Fact(_has(f"{SPECULATIVE}.cache_locs", "assign_extend_cache_locs"), "0.5.16"),
@@ -189,7 +190,12 @@ def needs(*facts) -> None:
             why, failure = FACTS[fact].why, getattr(FACTS[fact].detect, "failure", "")
             if why:
                 pytest.skip(f"sglang {SGLANG}: {why}" + (f": {failure}" if failure else ""))
-            pytest.skip(f"sglang {SGLANG} lacks {fact} (it arrived in {FACTS[fact].since})")
+            since = FACTS[fact].since
+            if since.endswith("_SINCE"):
+                from sglang_oobguard.model import transfertargets
+
+                since = getattr(transfertargets, since)
+            pytest.skip(f"sglang {SGLANG} lacks {fact} (it arrived in {since})")
 
 
 def model_runner_class() -> type:
