@@ -71,15 +71,10 @@ def _all_live(ids: np.ndarray, live: Live) -> bool:
 
 
 def _in_bounds(flat: torch.Tensor, high: int) -> bool:
-    """Every id in [0, high): plain Python for a few ids, else numpy's reductions over
-    CPU memory (less code to run cold, after a large write, than torch's dispatch),
-    else one torch reduction (a GPU's ids, at one host sync: SGLANG_OOBGUARD_BACKEND=torch)."""
+    """Every id in [0, high): plain Python for a few ids, else one torch reduction."""
     if flat.numel() <= _HOST_LIST_MAX:
         few = flat.tolist()
         return not few or (min(few) >= 0 and max(few) < high)
-    if flat.is_cpu:
-        ids = flat.numpy()
-        return bool(ids.min() >= 0 and ids.max() < high)
     lo, hi = torch.aminmax(flat)
     return lo.item() >= 0 and hi.item() < high
 
