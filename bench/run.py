@@ -27,6 +27,7 @@ from datetime import date
 from typing import Callable
 
 import torch
+import wrapt
 
 from swa_step import swa_step_row
 
@@ -61,10 +62,10 @@ def per_call_us(variants: dict[str, Callable[[], None]], calls: int, rounds: int
     return samples
 
 
-def added(samples: dict[str, list[float]]) -> float:
-    """Our added cost over upstream's, per round (issue 35's measure): (guarded - unguarded)
-    / (upstream - unguarded), the median; each difference of variants run back to back."""
-    rounds = [(g - u) / (up - u) for g, u, up in zip(samples["guarded"], samples["unguarded"], samples["upstream"])
+def added(samples: dict[str, list[float]], name: str = "guarded") -> float:
+    """A variant's added cost over upstream's, per round (issue 35's measure): (variant -
+    unguarded) / (upstream - unguarded), the median; each difference of variants run back to back."""
+    rounds = [(g - u) / (up - u) for g, u, up in zip(samples[name], samples["unguarded"], samples["upstream"])
               if up > u]
     return statistics.median(rounds) if rounds else float("nan")  # nan: upstream never measured dearer (noise)
 
@@ -83,8 +84,20 @@ def write_rows(quick: bool) -> list[dict]:
     from sglang_oobguard.probes.values import scan_values
 
     pool = MHATokenToKVPool(SIZE, PAGE, torch.bfloat16, HEADS, DIM, 1, "cpu", False)
+    empty: list = []  # the class's own set_kv_buffer while an empty wrapt wrapper stands in its place
+
+    def unwrap_empty() -> None:
+        if empty:
+            MHATokenToKVPool.set_kv_buffer = empty.pop()
+
+    def wrapt_only() -> None:  # the floor of any wrapt guard: a wrapper that checks nothing
+        plain()
+        empty.append(MHATokenToKVPool.__dict__["set_kv_buffer"])
+        MHATokenToKVPool.set_kv_buffer = wrapt.FunctionWrapper(empty[0], lambda wrapped, _, args, kwargs:
+                                                               wrapped(*args, **kwargs))
 
     def plain() -> None:
+        unwrap_empty()
         sglang_oobguard.uninstall()
         for name in (ASYNC_ASSERT, LIVENESS, FINITE):
             os.environ.pop(name, None)
@@ -101,6 +114,7 @@ def write_rows(quick: bool) -> list[dict]:
     allocators: list = []
 
     def live() -> None:
+        unwrap_empty()
         os.environ.pop(ASYNC_ASSERT, None)
         os.environ[LIVENESS] = "1"
         sglang_oobguard.install("strict")
@@ -109,10 +123,12 @@ def write_rows(quick: bool) -> list[dict]:
             allocators[0].alloc(SIZE)
 
     def upstream() -> None:
+        unwrap_empty()
         sglang_oobguard.uninstall()
         os.environ[ASYNC_ASSERT] = "1"
 
     def both() -> None:  # the guard with upstream's flag on: upstream's duplicate is skipped
+        unwrap_empty()
         os.environ[ASYNC_ASSERT] = "1"
         os.environ.pop(LIVENESS, None)
         sglang_oobguard.install("strict")
@@ -126,9 +142,10 @@ def write_rows(quick: bool) -> list[dict]:
         rounds = 2 if quick else 25
         w = per_call_us({"unguarded": write, "guarded": write, "upstream": write, "both": write, "live": write,
                          "finite": write, "values": lambda: (scan_values(k, n), scan_values(k, n)),
-                         "bare": write},
+                         "bare": write, "wrapt": write},
                         calls, rounds, {"unguarded": plain, "guarded": ours, "upstream": upstream, "both": both,
-                                        "live": live, "finite": finite, "values": plain, "bare": plain})
+                                        "live": live, "finite": finite, "values": plain, "bare": plain,
+                                        "wrapt": wrapt_only})
         p = per_call_us({"ours": lambda: probe.scan_host(loc, HIGH),
                          "theirs": lambda: maybe_detect_oob(loc, 0, HIGH, "set_kv_buffer (MHA)")},
                         calls * 4, rounds, {"ours": plain, "theirs": upstream})
@@ -136,7 +153,7 @@ def write_rows(quick: bool) -> list[dict]:
         median = {name: statistics.median(values) for name, values in {**w, **p}.items()}
         rows.append({"n": n, **median, "guarded_x": ratio(w, "guarded", "unguarded"),
                      "upstream_x": ratio(w, "upstream", "unguarded"), "both_x": ratio(w, "both", "unguarded"),
-                     "live_x": ratio(w, "live", "unguarded"), "added_x": added(w),
+                     "live_x": ratio(w, "live", "unguarded"), "added_x": added(w), "wrapt_x": added(w, "wrapt"),
                      "finite_x": ratio(w, "finite", "unguarded"), "finite_guarded_x": ratio(w, "finite", "guarded"),
                      "values_x": ratio(w, "values", "bare"),
                      "probe_x": ratio(p, "ours", "theirs")})
@@ -308,6 +325,9 @@ def main() -> int:
               f"| {r['upstream']:.1f} us | {r['upstream_x']:.2f}x | {r['both']:.1f} us | {r['both_x']:.2f}x "
               f"| {r['live']:.1f} us | {verdict(r['live_x'], 1.10) if r['n'] == 1 else format(r['live_x'], '.2f') + 'x'} "
               f"| {r['ours']:.2f} us | {r['theirs']:.2f} us | {r['probe_x']:.2f}x | {added_shown} |")
+    print("\nThe floor of any wrapt guard: an empty wrapt wrapper around set_kv_buffer (it checks nothing), measured "
+          "in the same rounds: " + "; ".join(f"+{r['wrapt'] - r['unguarded']:.1f} us at N = {r['n']} "
+                                              f"({r['wrapt_x']:.2f} of upstream's added cost)" for r in rows[:2]) + ".")
     print("\nThe guard's host check of a clean write's N ids (hostscan.scan_host), right after 32 MB of other memory "
           "traffic (as after a large KV write: cold) and at once again (warm), median of the tries. Outside forward "
           "steps a clean host write runs this and little else (checks/writes.py, _on_host_fast).\n")
