@@ -99,8 +99,13 @@ def test_warn_mode_reports_each_swa_fault_with_both_requests_and_keeps_the_other
     SWA page handed to another request (decode 5 on), an SWA page freed twice, and one forward
     whose token writes another request's SWA slot (the backend's translated ids crossed): each
     reported, naming the slot, the id space and both requests; the untouched requests' outputs
-    are the clean run's, and the engine finishes (the harness's timeout kills a hang)."""
+    are the clean run's, and the engine finishes (the harness's timeout kills a hang).
+    The injected faults themselves break sglang's page accounting (a live page on the free
+    list, a page freed twice; unguarded, only sglang's idle leak check notices them), so its
+    idle check logs instead of stopping the scheduler once the last request is done: in CI
+    it found one page short after some runs and not after others, as the faults' timing fell."""
     run = run_engine(mellum, {**STRICT, "SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0",
+                              "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0",
                               "OOBGUARD_FAULT": "site=swa,step=5,value=handout+double+door"}, workload="swa",
                      options=("page=4",), timeout=TIMEOUT)
     assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
