@@ -43,7 +43,7 @@ for family in ("decode", "extend"):
             t0 = time.perf_counter()
             for _ in range(reps):
                 rule = writemap.rule_of(b, runner)
-                f, _ = hostmap.check_host(rule, high, lv)
+                f, _, _ = hostmap.check_host(rule, high, lv)
             dt = (time.perf_counter() - t0) / reps * 1e6
             assert f is None
             print(f"{family:7s} N={n:5d} liveness={'on ' if lv else 'off'}: {dt:8.1f} us/step (rule_of + check_host)")

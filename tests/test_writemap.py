@@ -150,7 +150,7 @@ def inject(rng, fault, batch, pool, pos, live):
 def run_both(batch, runner, live_host, live_kernel):
     rule = writemap.rule_of(batch, runner)
     assert not isinstance(rule, str), rule
-    finding, cleaned = hostmap.check_host(rule, HIGH, live_host)
+    finding, cleaned, _ = hostmap.check_host(rule, HIGH, live_host)
     record = torch.zeros(RECORD_LEN, dtype=torch.int64)
     step = torch.tensor([7])
     tables = stepkernel.new_tables(HIGH, ROWS, torch.device("cpu"))
@@ -237,7 +237,7 @@ def test_draft_lanes_for_topk_above_one_follow_sglangs_own_cache_loc_kernel():
         batch = forward_batch("DECODE", rows, seq_lens, per_step[s], positions=positions)
         rule = writemap.rule_of(batch, runner)
         assert rule.family == "draft" and rule.ids.stride(0) != 1 or topk == 1  # a strided view, as sglang's
-        finding, _ = hostmap.check_host(rule, HIGH)
+        finding, _, _ = hostmap.check_host(rule, HIGH)
         assert finding is None, (s, finding)
         _, _, record, _ = run_both(batch, runner, None, None)
         assert record.calls == 0, (s, record)

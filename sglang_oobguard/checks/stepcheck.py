@@ -28,8 +28,10 @@ from typing import Any, Optional
 
 import torch
 
+from ..model.config import Backend
 from ..model.targets import POOL_IDS
 from ..probes import device
+from ..probes.hostmap import FEW
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, reads, stepmap
 from .calls import memo_key
@@ -41,22 +43,35 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     """A step boundary: report what landed, then check this step's out_cache_loc.
     Returns the cleaned ids this forward must write with (raise and warn, when the
     step check contained some), or None."""
-    capturing = device.capturing()
-    guard.calls.depth += 1  # first: step_end undoes it whatever fails below
-    guard.steps.open += 1
-    guard.steps.begin(runner, batch, capturing)
-    guard.calls.new_memo()
-    guard.calls.step_ids = None
-    if guard.polled:  # the copies the last step's end started (step_end starts the next)
+    calls, steps = guard.calls, guard.steps
+    calls.depth += 1  # first: step_end undoes it whatever fails below
+    steps.open += 1
+    loc = getattr(batch, "out_cache_loc", None)
+    is_tensor = isinstance(loc, torch.Tensor)
+    gpu = not is_tensor or device.is_gpu(loc)
+    # A capture holds device work only: a host step with no device counter never asks.
+    capturing = device.capturing() if gpu or steps.counters else False
+    steps.begin(runner, batch, capturing)
+    calls.new_memo()
+    calls.step_ids = None
+    if guard.polled.data:  # (a WeakSet's own len() is Python) the copies the last step's end started
         for state in list(guard.polled):
             guard.publish(state, state.record.poll(restart=False))
-    loc = getattr(batch, "out_cache_loc", None)
-    if not (isinstance(loc, torch.Tensor) and hasattr(pool, "size") and hasattr(pool, "page_size")):
+    if not (is_tensor and hasattr(pool, "size") and hasattr(pool, "page_size")):
         return None
     high = POOL_IDS.high(pool)
-    passed, mapped = _check_writes(guard, runner, batch, pool, loc, high, capturing)
-    if mapped:
-        ownids.remember(guard, pool, loc, passed)
+    # the common host step first: a plain decode of a few ids, found clean
+    few = stepmap.check_decode(guard, runner, batch, pool, loc, high) \
+        if not gpu and guard.config.backend is not Backend.TRITON and loc.dim() == 1 and len(loc) <= FEW else None
+    if few is not None:
+        passed = None
+        if not guard.config.finite:  # the layers that write with these very ids find them first
+            calls.hot = (pool, loc, loc)
+        ownids.remember(guard, pool, loc, None, few)
+    else:
+        passed, mapped, few = _check_writes(guard, runner, batch, pool, loc, high, capturing)
+        if mapped:
+            ownids.remember(guard, pool, loc, passed, few)
     # after the owner claims of this step's writes; on the releases whose step layouts the write map knows
     if guard.config.liveness and not capturing and stepmap.WRITE_MAP_OFF is None:
         reads.check_reads(guard, runner, batch, pool, high)
@@ -64,29 +79,31 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
 
 
 def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int,
-                  capturing: bool) -> tuple[Optional[torch.Tensor], bool]:
-    """(the cleaned ids or None, whether the write map checked them)."""
+                  capturing: bool) -> tuple[Optional[torch.Tensor], bool, Optional[list]]:
+    """(the cleaned ids or None, whether the write map checked them, the checked ids
+    as a list where the host check read a few)."""
     mapped = None if capturing else stepmap.check_step(guard, runner, batch, pool, high)  # a capture: no host values
     if mapped is None:  # bounds and liveness alone
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
-        return None, False
-    passed, where = mapped
+        return None, False, None
+    passed, where, few = mapped
+    calls = guard.calls
     live = guard.state(pool, loc).live is not None
-    memo = guard.calls.memo
-    memo[memo_key(pool, high, 0, loc, None, live)] = (loc, passed, where >= 0, where)
+    calls.memo[memo_key(pool, high, 0, loc, None, live)] = (loc, passed, where >= 0, where)
     if passed is loc:
-        return None, True
-    memo[memo_key(pool, high, 0, passed, None, live)] = (passed, passed, False, -1)  # checked: itself
-    return passed, True
+        return None, True, few
+    calls.memo[memo_key(pool, high, 0, passed, None, live)] = (passed, passed, False, -1)  # checked: itself
+    return passed, True, few
 
 
 def step_end(guard: Guard) -> None:
     """The step's probes are enqueued: start each record's copy, read at the next step."""
-    guard.calls.depth -= 1
+    calls = guard.calls
+    calls.depth -= 1
     guard.steps.open -= 1
-    guard.calls.new_memo()
-    guard.calls.step_ids = None
-    if guard.polled:
+    calls.new_memo()
+    calls.step_ids = None
+    if guard.polled.data:
         for state in list(guard.polled):
             state.record.start_copy()
 

@@ -22,7 +22,7 @@ from ..model.config import Mode
 from ..model.log import logger
 from ..model.targets import write_map_off
 from ..probes import device, hostmap, stepkernel
-from ..probes.pools import RING, PoolState, region
+from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from . import owners
 from .guard import Guard
 
@@ -30,12 +30,13 @@ WRITE_MAP_OFF = write_map_off()  # the installed sglang's: read once
 TABLES_ATTR = "_oobguard_step_tables"  # on a PoolState: its stepkernel.Tables
 
 
-def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> Optional[tuple[torch.Tensor, int]]:
-    """(the ids the step's writes get, their copy region or -1), or None: the map is
-    not defined here."""
+def check_step(guard: Guard, runner: Any, batch: Any, pool: Any,
+               high: int) -> Optional[tuple[torch.Tensor, int, Optional[list]]]:
+    """(the ids the step's writes get, their copy region or -1, the checked ids as a
+    list when they were a few on the host), or None: the map is not defined here."""
     given = getattr(batch, "out_cache_loc", None)
     if isinstance(given, torch.Tensor) and not given.numel():  # an idle forward writes nothing
-        return given, -1
+        return given, -1, []
     rule = WRITE_MAP_OFF or writemap.rule_of(batch, runner)
     if isinstance(rule, str):
         if guard.first_time(f"write map skipped: {rule}"):
@@ -45,14 +46,14 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> O
     loc = rule.ids
     state = guard.state(pool, loc)
     if guard.on_host(loc):
-        finding, cleaned = hostmap.check_host(rule, high, state.live)
+        finding, cleaned, few = hostmap.check_host(rule, high, state.live)
         if finding is not None:  # strict and raise: raised here, before any layer
             call = finding.record(guard.step_site, -1, high, loc.numel(), guard.steps.number)
             rows = rule.rows[:rule.batch]
             guard.report_now(state, call, **owners.named(rule.table, rows, getattr(batch, "rids", None), finding.kind,
                                                            finding.row, finding.token, finding.value, finding.owner,
                                                            finding.expected))
-        return cleaned, -1
+        return cleaned, -1, few
     strict = guard.config.mode is Mode.STRICT and device.is_gpu(loc)
     where = region(guard.steps.number % RING, 0)
     clean = None if strict else state.copy_for(where, loc)
@@ -63,9 +64,25 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> O
         state.order.probed(loc.device)
     guard.launched(state)  # inside the step: its record is read at the next boundary
     if clean is None:
-        return loc, -1
+        return loc, -1, None
     state.copied_for[where] = loc
-    return clean, where
+    return clean, where, None
+
+
+def check_decode(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int) -> Optional[list]:
+    """A plain decode step of a few host ids (`writemap.plain_decode`), checked in the
+    fewest steps (`hostmap.clean_decode`): the ids as a list when clean; None: check the
+    step in full (`check_step`, which finds, reports and contains the same)."""
+    state = pool.__dict__.get(STATE_ATTR)
+    plain = None if WRITE_MAP_OFF is not None or state is None else writemap.plain_decode(batch, runner)
+    if plain is None:
+        return None
+    rows, seq_lens, table = plain
+    vals = loc.tolist()
+    if len(vals) != getattr(batch, "batch_size", None) or table.dim() != 2:
+        return None
+    clean = hostmap.clean_decode(vals, rows.tolist(), seq_lens.tolist(), hostmap.table_view(table), high, state.live)
+    return vals if clean else None
 
 
 def _tables(guard: Guard, state: PoolState, rule: writemap.Rule, high: int) -> stepkernel.Tables:

@@ -91,32 +91,34 @@ class Steps:
         self._next = itertools.count()  # next() is atomic: threads stepping at once get distinct numbers
         self.number = -1  # the latest step (-1: none yet)
         self.open = 0  # steps in progress on any thread (the idle flush waits for none)
-        self._counters: dict[torch.device, torch.Tensor] = {}
-        self._seen: deque[Seen] = deque(maxlen=LAYOUTS_KEPT)
+        self.counters: dict[torch.device, torch.Tensor] = {}  # by device: made with its first probe
+        self._seen: deque[tuple] = deque(maxlen=LAYOUTS_KEPT)  # Seen's fields
         self._ranks: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
     def counter(self, device: torch.device) -> torch.Tensor:
         """The device's step counter (made with the first pool on that device)."""
-        counter = self._counters.get(device)
+        counter = self.counters.get(device)
         if counter is None:
-            counter = self._counters[device] = torch.full((1,), self.number, dtype=torch.int64, device=device)
+            counter = self.counters[device] = torch.full((1,), self.number, dtype=torch.int64, device=device)
         return counter
 
     def begin(self, runner: Any, batch: Any, capturing: bool) -> int:
         """A new step: numbered, its counters set (not inside a capture, where the
         fill would be baked into the graph), its batch remembered."""
         number = self.number = next(self._next)
-        for counter in self._counters.values():
+        for counter in self.counters.values():
             if not (capturing and device.is_gpu(counter)):  # a fill inside a capture would be baked into the graph
                 device.enqueue(counter.fill_, number)  # in stream order with the probes
         get = batch.__dict__.get if hasattr(batch, "__dict__") else lambda name: getattr(batch, name, None)
-        self._seen.append(Seen(number, runner, get("forward_mode"), int(get("batch_size") or 0), get("rids"),
-                               get("req_pool_indices"), get("seq_lens_cpu"), get("extend_seq_lens_cpu"),
-                               get("extend_prefix_lens_cpu"), get("spec_info")))
+        # a plain tuple (a Seen's fields, made into one by `find`): a step costs a few attribute reads
+        self._seen.append((number, runner, get("forward_mode"), get("batch_size") or 0, get("rids"),
+                           get("req_pool_indices"), get("seq_lens_cpu"), get("extend_seq_lens_cpu"),
+                           get("extend_prefix_lens_cpu"), get("spec_info")))
         return number
 
     def find(self, step: int) -> Optional[Seen]:
-        return next((seen for seen in reversed(self._seen) if seen.step == step), None)
+        found = next((seen for seen in reversed(self._seen) if seen[0] == step), None)
+        return None if found is None else Seen(*found[:3], int(found[3]), *found[4:])
 
     def ranks(self, runner: Any) -> str:
         """Read once per runner (a process's ranks stay); a runner that cannot be a

@@ -103,14 +103,11 @@ def _on_host_fast(guard: Guard, pool: Any, loc: torch.Tensor, high_of: Callable[
     """The common host write answered in the fewest steps, or None: run the full check
     (`check_write`), which finds, reports and contains. Each step costs several times its
     warm time right after a large KV write has flushed the caches (issue 35). Inside a
-    forward step: the last answer (every layer writes the same ids), else the step
-    check's memo of these very ids, else the step check itself when these ids are its
-    slots (`ownids.covers`). Outside: no shadow to read, every id in bounds."""
-    calls = guard.calls
-    hot = calls.hot
-    if hot is not None and hot[1] is loc and hot[0] is pool:
-        return hot[2]
+    forward step (the hot entry, every layer's answer after the first, is the wrapper's):
+    the step check's memo of these very ids, else the step check itself when these ids
+    are its slots (`ownids.covers`). Outside: no shadow to read, every id in bounds."""
     state = pool.__dict__.get(STATE_ATTR)
+    calls = guard.calls
     if state is None or calls.capturing or guard.config.backend is Backend.TRITON or device.is_gpu(loc):
         return None
     if calls.depth:
@@ -155,11 +152,15 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
         ids = head if type(head) is torch.Tensor else getattr(head, "loc", None)  # a KVWriteLoc: its loc
-        try:  # the fast path checks ids only: with the value check on, every write takes the full one
-            fast = _on_host_fast(guard, instance, ids, head_high) \
-                if lean and not guard.config.finite and type(ids) is torch.Tensor else None
-        except Exception:  # the full check below says what went wrong
-            fast = None
+        hot = calls.hot  # this step's last answer: every layer writes the same ids (set only when it serves all)
+        if lean and hot is not None and hot[1] is ids and hot[0] is instance:
+            fast = hot[2]
+        else:
+            try:  # the fast path checks ids only: with the value check on, every write takes the full one
+                fast = _on_host_fast(guard, instance, ids, head_high) \
+                    if lean and not guard.config.finite and type(ids) is torch.Tensor else None
+            except Exception:  # the full check below says what went wrong
+                fast = None
         if fast is not None:
             if fast is not ids:  # the step check's cleaned copy
                 head = fast if head is ids else dataclasses.replace(head, loc=fast)

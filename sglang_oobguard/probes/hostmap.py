@@ -83,29 +83,46 @@ def _repeats(values: np.ndarray) -> bool:
 
 
 FEW = 64  # up to this many ids (decode batches), a clean step is checked in plain Python first
+_VIEW: list = [(None, 0, None)]  # (req_to_token, its data pointer, its numpy view): the last table read
 
 
-def _clean_few(rule: Rule, ids: np.ndarray, high: int, live: Any) -> bool:
+def table_view(table: torch.Tensor) -> np.ndarray:
+    """req_to_token's numpy view, made once per table (a view costs more than the rest
+    of a decode step's check); a table whose memory moved gets a new one."""
+    ptr = table.data_ptr()
+    seen, at, view = _VIEW[0]
+    if seen is table and at == ptr:
+        return view
+    view = _np(table)
+    _VIEW[0] = (table, ptr, view)
+    return view
+
+
+def _clean_few(rule: Rule, vals: list, high: int, live: Any) -> bool:
     """The fast answer for a clean step of a few tokens (decode, verify, draft): True
     when every check passes (the owner claims then made, as the full check makes
     them); False: check it in full (which finds and claims the same)."""
     w = rule.width
-    vals = ids.tolist()
     b = rule.batch
     count = min(len(vals), b * w)
     if not count:
         return True
-    vals = vals[:count]
+    if count < len(vals):
+        vals = vals[:count]
     if min(vals) < 0 or max(vals) >= high or len(set(vals)) != count:
         return False
-    rows = rule.rows.tolist()[:b]  # a few ids: a list and its slice cost less than a tensor slice
+    rows = rule.rows.tolist()  # a few ids: a list and its slice cost less than a tensor slice
+    if len(rows) > b:
+        rows = rows[:b]
     if len(set(rows)) != b:
         return False
-    seq = rule.seq_lens.tolist()[:b]
-    table = _np(rule.table)
+    seq = rule.seq_lens.tolist()
+    table = table_view(rule.table)
     nrows, ncols = table.shape
     virt = vals if rule.virtual is rule.ids else rule.virtual.tolist()[:count]
     family = rule.family
+    if family == "decode" and rule.offset is None and virt is vals:  # the common step
+        return clean_decode(vals, rows, seq, table, high, live)
     offset = None if rule.offset is None else rule.offset.tolist()[:b]
     positions = None if rule.positions is None else rule.positions.tolist()[:count]
     for i in range(count):
@@ -118,10 +135,28 @@ def _clean_few(rule: Rule, ids: np.ndarray, high: int, live: Any) -> bool:
             page = rule.page
             p = positions[i] + j * (-(-(seq[r] % page + rule.steps) // page) * page)
         row = rows[r]
-        if not (0 <= row < nrows and 0 <= p < ncols) or table[row, p] != virt[i]:
+        if not (0 <= row < nrows and 0 <= p < ncols) or table.item(row, p) != virt[i]:
             return False
-    if live is None:
-        return True
+    return live is None or _live_few(vals, rows, w, live)
+
+
+def clean_decode(vals: list, rows: list, seq: list, table: np.ndarray, high: int, live: Any) -> bool:
+    """The check of a plain decode step's ids (a list, one per row of `rows`: token i
+    writes req_to_token[rows[i], seq[i] - 1]): True when clean (the owner claims made);
+    False: check it in full."""
+    count = len(vals)
+    if len(set(vals)) != count or len(set(rows)) != count or len(rows) != count:
+        return False
+    nrows, ncols = table.shape
+    for v, row, n in zip(vals, rows, seq):
+        if not (0 <= v < high and 0 <= row < nrows and 0 < n <= ncols) or table.item(row, n - 1) != v:
+            return False
+    return live is None or _live_few(vals, rows, 1, live)
+
+
+def _live_few(vals: list, rows: list, w: int, live: Any) -> bool:
+    """The liveness part of `_clean_few`: every slot on a live page, each page's owner
+    this token's row (an unowned page claimed for it)."""
     page = live.page
     flags = live.host if live.host is not None else _np(live.flags)
     pages = [v // page for v in vals]
@@ -147,21 +182,25 @@ def _clean_few(rule: Rule, ids: np.ndarray, high: int, live: Any) -> bool:
     return True
 
 
-def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteFinding], torch.Tensor]:
+def check_host(rule: Rule, high: int,
+               live: Any = None) -> tuple[Optional[WriteFinding], torch.Tensor, Optional[list]]:
     """The write map, duplicates, shared rows, bounds and (with `live`, a probe.Live)
-    liveness and ownership of one forward's CPU ids. Returns (None, ids) when clean,
-    else the finding and a private copy of ids with every bad token's id set to 0.
+    liveness and ownership of one forward's CPU ids. Returns (None, ids, ...) when clean,
+    else the finding and a private copy of ids with every bad token's id set to 0; last,
+    the ids as a list when a few were found clean by the fast answer (else None).
     Claims the owner table for the good tokens (a host write into the guard's shadow)."""
+    n = len(rule.ids)
+    if n <= FEW and rule.family != "extend":
+        vals = rule.ids.tolist()
+        if _clean_few(rule, vals, high, live):
+            return None, rule.ids, vals
     ids = _np(rule.ids)
-    n = ids.shape[0]
-    if n <= FEW and rule.family != "extend" and _clean_few(rule, ids, high, live):
-        return None, rule.ids
     tok, r, p = token_map(rule, n)
     if not tok.size:
-        return None, rule.ids
+        return None, rule.ids, None
     val = ids[tok].astype(np.int64)
     virt = val if rule.virtual is rule.ids else _np(rule.virtual)[tok].astype(np.int64)
-    table = _np(rule.table)
+    table = table_view(rule.table)
     nrows, ncols = table.shape
     rows_all = _np(rule.rows)[:rule.batch].astype(np.int64)
     rpi = rows_all[r]
@@ -219,7 +258,7 @@ def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteF
             kind[at[cur != mine]] = Kind.OWNED
     bad = kind >= 0
     if not bad.any():
-        return None, rule.ids
+        return None, rule.ids, None
     first_bad = int(np.argmax(bad))
     i = int(tok[first_bad])
     slot = int(val[first_bad])
@@ -230,4 +269,4 @@ def check_host(rule: Rule, high: int, live: Any = None) -> tuple[Optional[WriteF
                            int(expected[first_bad]), own, int(p[first_bad]))
     cleaned = rule.ids.clone()
     cleaned[torch.from_numpy(tok[bad])] = 0
-    return finding, cleaned
+    return finding, cleaned, None
