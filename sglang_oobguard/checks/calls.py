@@ -39,7 +39,8 @@ class CallState(threading.local):
 
     def new_memo(self) -> None:
         """A new step, or a capture begun or ended: nothing probed so far serves."""
-        self.memo.clear()
+        if self.memo:
+            self.memo = {}
         self.hot = None
 
 

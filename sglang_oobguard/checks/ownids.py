@@ -44,15 +44,17 @@ class StepIds(NamedTuple):
 def remember(guard: Guard, pool: Any, given: torch.Tensor, passed: Optional[torch.Tensor],
              checked: Optional[list] = None) -> None:
     """The step's ids (host ones only; None clears it: no check this step). `checked`:
-    the ids as the step check read them (a list), when it read a few."""
-    guard.calls.step_ids = None
+    the ids as the step check read them on the host (a list), when it read a few."""
+    calls = guard.calls
+    if checked is not None and passed is None:  # the common step: its few ids, as read
+        calls.step_ids = StepIds(pool, given, None, None, int(pool.page_size), {}, frozenset(checked))
+        return
+    calls.step_ids = None
     if given.is_cpu and guard.on_host(given):
         kept = given if passed is None else passed  # contained ids (sent to slot 0) are no step's slots
-        if checked is None or passed is not None:
-            checked = kept.tolist() if kept.numel() <= FEW and kept.dim() == 1 else None
-        few = None if checked is None else frozenset(checked)
+        few = frozenset(kept.tolist()) if kept.numel() <= FEW and kept.dim() == 1 else None
         values = np.unique(kept.numpy()) if few is None else None
-        guard.calls.step_ids = StepIds(pool, given, passed, values, int(pool.page_size), {}, few)
+        calls.step_ids = StepIds(pool, given, passed, values, int(pool.page_size), {}, few)
 
 
 def covers(guard: Guard, pool: Any, loc: torch.Tensor) -> bool:
@@ -61,12 +63,13 @@ def covers(guard: Guard, pool: Any, loc: torch.Tensor) -> bool:
     step = guard.calls.step_ids
     if step is None or step.pool is not pool or not loc.is_cpu:
         return False
-    few = step.few
-    if few is not None and loc.dim() == 1 and len(loc) <= FEW:
-        page = step.page
-        return all(v in few or 0 <= v < page for v in loc.tolist())
+    few, page = step.few, step.page
+    if few is not None:
+        shape = loc.shape
+        if len(shape) == 1 and shape[0] <= FEW:
+            return all(v in few or 0 <= v < page for v in loc.tolist())
     ids = loc.reshape(-1).numpy()
-    return bool((((ids >= 0) & (ids < step.page)) | _in_step(step, ids)).all())
+    return bool((((ids >= 0) & (ids < page)) | _in_step(step, ids)).all())
 
 
 def _in_step(step: StepIds, ids: np.ndarray) -> np.ndarray:

@@ -31,7 +31,6 @@ import torch
 from ..model.config import Backend
 from ..model.targets import POOL_IDS
 from ..probes import device
-from ..probes.hostmap import FEW
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, reads, stepmap
 from .calls import memo_key
@@ -61,8 +60,8 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
         return None
     high = POOL_IDS.high(pool)
     # the common host step first: a plain decode of a few ids, found clean
-    few = stepmap.check_decode(guard, runner, batch, pool, loc, high) \
-        if not gpu and guard.config.backend is not Backend.TRITON and loc.dim() == 1 and len(loc) <= FEW else None
+    few = None if gpu or guard.config.backend is Backend.TRITON else \
+        stepmap.check_decode(guard, runner, batch, pool, loc, high)
     if few is not None:
         passed = None
         if not guard.config.finite:  # the layers that write with these very ids find them first

@@ -74,13 +74,13 @@ def check_decode(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Te
     fewest steps (`hostmap.clean_decode`): the ids as a list when clean; None: check the
     step in full (`check_step`, which finds, reports and contains the same)."""
     state = pool.__dict__.get(STATE_ATTR)
-    plain = None if WRITE_MAP_OFF is not None or state is None else writemap.plain_decode(batch, runner)
+    size = getattr(batch, "batch_size", None)
+    plain = None if WRITE_MAP_OFF is not None or state is None or type(size) is not int or size > hostmap.FEW \
+        or loc.shape != (size,) else writemap.plain_decode(batch, runner)
     if plain is None:
         return None
     rows, seq_lens, table = plain
     vals = loc.tolist()
-    if len(vals) != getattr(batch, "batch_size", None) or table.dim() != 2:
-        return None
     clean = hostmap.clean_decode(vals, rows.tolist(), seq_lens.tolist(), hostmap.table_view(table), high, state.live)
     return vals if clean else None
 

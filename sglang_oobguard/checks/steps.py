@@ -9,6 +9,7 @@ out only when a report needs it: a step costs a few attribute reads, nothing mor
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from collections import deque
 from typing import Any, NamedTuple, Optional
@@ -20,6 +21,10 @@ from ..probes.record import Kind
 from . import owners
 
 LAYOUTS_KEPT = 32  # steps whose layout a late report can still name
+# What a step keeps of its batch, by reference (Seen's fields after the runner)
+FIELDS = ("forward_mode", "batch_size", "rids", "req_pool_indices", "seq_lens_cpu", "extend_seq_lens_cpu",
+          "extend_prefix_lens_cpu", "spec_info")
+_FIELDS = operator.itemgetter(*FIELDS)
 
 
 class Seen(NamedTuple):
@@ -92,7 +97,7 @@ class Steps:
         self.number = -1  # the latest step (-1: none yet)
         self.open = 0  # steps in progress on any thread (the idle flush waits for none)
         self.counters: dict[torch.device, torch.Tensor] = {}  # by device: made with its first probe
-        self._seen: deque[tuple] = deque(maxlen=LAYOUTS_KEPT)  # Seen's fields
+        self._seen: deque[tuple] = deque(maxlen=LAYOUTS_KEPT)  # (step, runner, the batch's FIELDS)
         self._ranks: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
     def counter(self, device: torch.device) -> torch.Tensor:
@@ -109,16 +114,21 @@ class Steps:
         for counter in self.counters.values():
             if not (capturing and device.is_gpu(counter)):  # a fill inside a capture would be baked into the graph
                 device.enqueue(counter.fill_, number)  # in stream order with the probes
-        get = batch.__dict__.get if hasattr(batch, "__dict__") else lambda name: getattr(batch, name, None)
-        # a plain tuple (a Seen's fields, made into one by `find`): a step costs a few attribute reads
-        self._seen.append((number, runner, get("forward_mode"), get("batch_size") or 0, get("rids"),
-                           get("req_pool_indices"), get("seq_lens_cpu"), get("extend_seq_lens_cpu"),
-                           get("extend_prefix_lens_cpu"), get("spec_info")))
+        try:  # one read of the batch's own dict (a ForwardBatch is a dataclass: every field is there)
+            fields = _FIELDS(batch.__dict__)
+        except KeyError:  # an older batch: what it has
+            fields = tuple(map(batch.__dict__.get, FIELDS))
+        except AttributeError:  # no __dict__ (slots)
+            fields = tuple(getattr(batch, name, None) for name in FIELDS)
+        self._seen.append((number, runner, fields))
         return number
 
     def find(self, step: int) -> Optional[Seen]:
         found = next((seen for seen in reversed(self._seen) if seen[0] == step), None)
-        return None if found is None else Seen(*found[:3], int(found[3]), *found[4:])
+        if found is None:
+            return None
+        number, runner, (mode, size, *rest) = found
+        return Seen(number, runner, mode, int(size or 0), *rest)
 
     def ranks(self, runner: Any) -> str:
         """Read once per runner (a process's ranks stay); a runner that cannot be a

@@ -104,19 +104,20 @@ def _on_host_fast(guard: Guard, pool: Any, loc: torch.Tensor, high_of: Callable[
     (`check_write`), which finds, reports and contains. Each step costs several times its
     warm time right after a large KV write has flushed the caches (issue 35). Inside a
     forward step (the hot entry, every layer's answer after the first, is the wrapper's):
-    the step check's memo of these very ids, else the step check itself when these ids
-    are its slots (`ownids.covers`). Outside: no shadow to read, every id in bounds."""
+    the step check itself when these ids are its slots (`ownids.covers`), else the step
+    check's memo of these very ids (a cleaned copy). Outside: no shadow to read, every
+    id in bounds."""
     state = pool.__dict__.get(STATE_ATTR)
     calls = guard.calls
     if state is None or calls.capturing or guard.config.backend is Backend.TRITON or device.is_gpu(loc):
         return None
     if calls.depth:
+        if ownids.covers(guard, pool, loc):  # the common miss: the step's ids, copied
+            calls.hot = (pool, loc, loc)
+            return loc
         high = high_of(pool)
         key = memo_key(pool, high, 0, loc, None, state.live is not None)
         served = _memoized(calls.memo, key, state, loc)
-        if served is None and ownids.covers(guard, pool, loc):
-            served = loc
-            calls.memo[key] = (loc, loc, False, -1)
         if served is not None:
             calls.hot = (pool, loc, served)
         return served

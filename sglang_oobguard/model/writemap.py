@@ -78,7 +78,8 @@ def plain_decode(batch: Any, runner: Any) -> Optional[tuple[torch.Tensor, torch.
         return None
     rows, seq_lens = getattr(batch, "req_pool_indices", None), getattr(batch, "seq_lens", None)
     table = getattr(getattr(runner, "req_to_token_pool", None), "req_to_token", None)
-    if type(rows) is not torch.Tensor or type(seq_lens) is not torch.Tensor or type(table) is not torch.Tensor:
+    if type(rows) is not torch.Tensor or type(seq_lens) is not torch.Tensor or type(table) is not torch.Tensor \
+            or table.dim() != 2:
         return None
     return rows, seq_lens, table
 

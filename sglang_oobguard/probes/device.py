@@ -123,6 +123,7 @@ def use(backend: Optional[Backend]) -> contextlib.AbstractContextManager[Backend
     global _active
     previous = _active
     _active = backend if backend is not None else CUDA
+    _bind()
 
     @contextlib.contextmanager
     def scope() -> Iterator[Backend]:
@@ -131,8 +132,16 @@ def use(backend: Optional[Backend]) -> contextlib.AbstractContextManager[Backend
             yield _active
         finally:
             _active = previous
+            _bind()
 
     return scope()
+
+
+def _bind() -> None:
+    """`is_gpu`, asked of every tensor on the hot paths, is the active backend's own
+    method: one call, not two."""
+    global is_gpu
+    is_gpu = _active.is_gpu
 
 
 def backend() -> Backend:
@@ -141,10 +150,9 @@ def backend() -> Backend:
 
 # The guard's calls: one global lookup and one method call each.
 
-def is_gpu(where: Where) -> bool:
-    """Whether this tensor (or device) takes the guard's GPU branch: deferred records,
-    events, streams, graphs. Under a test's model, CPU tensors do."""
-    return _active.is_gpu(where)
+# Whether this tensor (or device) takes the guard's GPU branch: deferred records, events,
+# streams, graphs. Under a test's model, CPU tensors do. (Bound by `_bind`.)
+is_gpu: Callable[[Where], bool] = CUDA.is_gpu
 
 
 def capturing() -> bool:
