@@ -56,13 +56,14 @@ def test_each_thread_has_its_own_call_state(mp, guard):
     import sglang_oobguard.activate.instrument as instrument
 
     guard("strict")
-    calls = instrument._active.guard.calls
-    calls.depth = 3
+    active = instrument._active.guard
+    active.calls.depth = 3
     seen = []
-    thread = threading.Thread(target=lambda: seen.append((calls.depth, calls.current, calls.memo)))
+    thread = threading.Thread(target=lambda: seen.append((active.calls.depth, active.calls.current, active.calls.memo)))
     thread.start()
     thread.join(30)
-    calls.depth = 0
+    assert active.calls.depth == 3
+    active.calls.depth = 0
     assert seen == [(0, None, {})]
 
 

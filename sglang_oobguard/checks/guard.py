@@ -22,7 +22,7 @@ from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from ..probes.record import Record, fold_host
 from ..report import owntime
 from ..report.reporter import Reporter
-from .calls import CallState
+from .calls import CallState, PerThread
 from .steps import Steps
 from .hiloads import Loads
 from .transfer import Transfers
@@ -45,28 +45,29 @@ class Guard:
         self._messages: dict[int, str] = {}  # site -> the device-side assert text
         self._said: set[str] = set()  # log lines said once per guard
         self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
-        self.calls = CallState()
+        self.threads = PerThread()  # each thread's calls in progress (`calls`)
         self.steps = Steps()
         self.transfers, self.loads = Transfers(), Loads()  # PD decode's transfers in flight; HiCache's loads (liveness)
-        self.step_site = site_id(STEP_LABEL)
+        self.step_site = site_id(STEP_LABEL)  # the step check's site, its bound the pool's
         self.bounds[self.step_site] = POOL_IDS.rule
+
+    @property
+    def calls(self) -> CallState:  # this thread's (a hot wrapper reads `threads.calls` once itself)
+        return self.threads.calls
 
     def configure(self, config: Config) -> None:
         """New settings for the same wrappers (a second install())."""
-        self.config = config
-        self.reporter.warn_interval_s = config.warn_interval_s
+        self.config, self.reporter.warn_interval_s = config, config.warn_interval_s
 
     def on_host(self, ids: torch.Tensor) -> bool:
         """The host scan serves CPU tensors (backend auto or torch), and CUDA tensors
         only when asked (torch) and not while a CUDA graph is captured."""
-        backend = self.config.backend
         if device.is_gpu(ids):
-            return backend is Backend.TORCH and not device.capturing()
-        return backend is not Backend.TRITON
+            return self.config.backend is Backend.TORCH and not device.capturing()
+        return self.config.backend is not Backend.TRITON
 
     def state(self, pool: Any, where: Union[torch.device, torch.Tensor]) -> PoolState:
-        """The pool's state: made with the pool, else now (a mock) on `where` or its
-        device (read only then: it costs as much as the rest of a step's look-up)."""
+        """The pool's state: made with the pool, else now (a mock) on `where` or its device."""
         state = pool.__dict__.get(STATE_ATTR)
         return state or self.attach(pool, where.device if isinstance(where, torch.Tensor) else where)
 
@@ -140,10 +141,9 @@ class Guard:
 
     def first_time(self, key: str) -> bool:
         """True the first time `key` is asked for: a line said once per guard."""
-        if key in self._said:
-            return False
+        said = key in self._said
         self._said.add(key)
-        return True
+        return not said
 
     def internal_error(self, where: str, exc: BaseException) -> None:
         """The guard's own bookkeeping failed: log once per place, never raise into sglang."""

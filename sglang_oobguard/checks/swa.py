@@ -77,11 +77,11 @@ def make_mapping_hook(guard: Guard) -> Callable[..., Any]:
 def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
     """The wrapt wrapper of one SWA allocator free method (exact types of SWA_CHECKED)."""
     spec = SWA_METHODS[target.method]
-    calls = guard.calls
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         if type(instance).__name__ not in SWA_CHECKED or instance.__dict__.get("_swa_req_ring"):
             return wrapped(*args, **kwargs)  # a per-request SWA ring: no paged SWA peers
+        calls = guard.calls
         outer = calls.freeing
         if outer is not None and outer[0] is instance and outer[1] == FAMILY:
             return wrapped(*args, **kwargs)  # free's own free_swa / free_full: checked with it

@@ -24,7 +24,7 @@ from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, swa, values
-from .calls import argument, memo_key, replaced
+from .calls import CallState, argument, memo_key, replaced
 from .guard import Guard
 
 
@@ -99,7 +99,8 @@ def _launch(guard: Guard, state: PoolState, site: int, where: int, loc: torch.Te
     return loc if clean is None else clean
 
 
-def _on_host_fast(guard: Guard, pool: Any, loc: torch.Tensor, high_of: Callable[[Any], int]) -> Optional[torch.Tensor]:
+def _on_host_fast(guard: Guard, calls: CallState, pool: Any, loc: torch.Tensor,
+                  high_of: Callable[[Any], int]) -> Optional[torch.Tensor]:
     """The common host write answered in the fewest steps, or None: run the full check
     (`check_write`), which finds, reports and contains. Each step costs several times its
     warm time right after a large KV write has flushed the caches (issue 35). Inside a
@@ -108,7 +109,6 @@ def _on_host_fast(guard: Guard, pool: Any, loc: torch.Tensor, high_of: Callable[
     check's memo of these very ids (a cleaned copy). Outside: no shadow to read, every
     id in bounds."""
     state = pool.__dict__.get(STATE_ATTR)
-    calls = guard.calls
     if state is None or calls.capturing or guard.config.backend is Backend.TRITON or device.is_gpu(loc):
         return None
     if calls.depth:
@@ -144,10 +144,11 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     # A write with row lengths stores only each row's prefix: the rest of its values may be anything (on a
     # CPU sglang passes the prefix on to set_kv_buffer, whose values are checked there).
     value_at = () if lens_at is not None else values.value_params(found.original, max(spec[1] for spec in specs) + 1)
-    calls = guard.calls
+    threads = guard.threads
     single = len(specs) == 1  # a write (a move has two id parameters: not a step's token write)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        calls = threads.calls
         outer = calls.current
         head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
@@ -158,7 +159,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
             fast = hot[2]
         else:
             try:  # the fast path checks ids only: with the value check on, every write takes the full one
-                fast = _on_host_fast(guard, instance, ids, head_high) \
+                fast = _on_host_fast(guard, calls, instance, ids, head_high) \
                     if lean and not guard.config.finite and type(ids) is torch.Tensor else None
             except Exception:  # the full check below says what went wrong
                 fast = None
@@ -236,10 +237,10 @@ def make_upstream_skip(guard: Guard) -> Callable[..., Any]:
     inside a method we guard, a call under one of our labels is the check our probe
     just made, so skip it; every other upstream probe (NaN, Inf, page alignment,
     other modules, and any call outside our methods) runs as before."""
-    calls = guard.calls
+    threads = guard.threads
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        if calls.current is not None and is_site_label(args[3] if len(args) > 3 else kwargs.get("msg")):
+        if threads.calls.current is not None and is_site_label(args[3] if len(args) > 3 else kwargs.get("msg")):
             return None
         return wrapped(*args, **kwargs)
 
