@@ -154,19 +154,22 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
         ids = head if type(head) is torch.Tensor else getattr(head, "loc", None)  # a KVWriteLoc: its loc
-        hot = calls.hot  # this step's last answer: every layer writes the same ids (set only when it serves all)
-        if lean and hot is not None and hot[1] is ids and hot[0] is instance:
-            fast = hot[2]
-        else:
-            try:  # the fast path checks ids only: with the value check on, every write takes the full one
-                fast = _on_host_fast(guard, calls, instance, ids, head_high) \
-                    if lean and not guard.config.finite and type(ids) is torch.Tensor else None
-            except Exception:  # the full check below says what went wrong
-                fast = None
+        fast = None
+        if lean and type(ids) is torch.Tensor:  # the fast path checks ids only: the value check takes the full one
+            hot = calls.hot  # this step's last answer: every layer writes the same ids (set only when it serves all)
+            if hot is not None and hot[1] is ids and hot[0] is instance:
+                fast = hot[2]
+            elif not guard.config.finite:
+                try:
+                    fast = _on_host_fast(guard, calls, instance, ids, head_high)
+                except Exception:  # the full check below says what went wrong
+                    fast = None
         if fast is not None:
             if fast is not ids:  # the step check's cleaned copy
                 head = fast if head is ids else dataclasses.replace(head, loc=fast)
                 args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, head)
+            if not guard.config.upstream_probe:  # nothing inside to skip (a nested super() call: served again)
+                return wrapped(*args, **kwargs)
             calls.current = (instance, method, head)
             try:
                 return wrapped(*args, **kwargs)
