@@ -80,8 +80,11 @@ def check_decode(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Te
     if plain is None:
         return None
     rows, seq_lens, table = plain
+    view = hostmap.table_view(table)
+    if view.ndim != 2:
+        return None
     vals = loc.tolist()
-    clean = hostmap.clean_decode(vals, rows.tolist(), seq_lens.tolist(), hostmap.table_view(table), high, state.live)
+    clean = hostmap.clean_decode(vals, rows.tolist(), seq_lens.tolist(), view, high, state.live)
     return vals if clean else None
 
 

@@ -111,7 +111,7 @@ class Steps:
         """A new step: numbered, its counters set (not inside a capture, where the
         fill would be baked into the graph), its batch remembered."""
         number = self.number = next(self._next)
-        for counter in self.counters.values():
+        for counter in self.counters.values() if self.counters else ():
             if not (capturing and device.is_gpu(counter)):  # a fill inside a capture would be baked into the graph
                 device.enqueue(counter.fill_, number)  # in stream order with the probes
         try:  # one read of the batch's own dict (a ForwardBatch is a dataclass: every field is there)

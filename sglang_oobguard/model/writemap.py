@@ -72,14 +72,13 @@ def _mode(batch: Any) -> str:
 def plain_decode(batch: Any, runner: Any) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(req_pool_indices, seq_lens, req_to_token) of a plain decode step (one token per
     row at seq_lens - 1: no virtual ids, no encoder offset, not a draft runner), read
-    with the fewest attribute reads; None: ask `rule_of`."""
+    with the fewest attribute reads (the caller checks their shapes); None: ask `rule_of`."""
     if _mode(batch) != "decode" or getattr(runner, "is_draft_worker", False) \
             or getattr(batch, "out_cache_loc_virtual", None) is not None or getattr(batch, "encoder_lens", None) is not None:
         return None
     rows, seq_lens = getattr(batch, "req_pool_indices", None), getattr(batch, "seq_lens", None)
     table = getattr(getattr(runner, "req_to_token_pool", None), "req_to_token", None)
-    if type(rows) is not torch.Tensor or type(seq_lens) is not torch.Tensor or type(table) is not torch.Tensor \
-            or table.dim() != 2:
+    if type(rows) is not torch.Tensor or type(seq_lens) is not torch.Tensor or type(table) is not torch.Tensor:
         return None
     return rows, seq_lens, table
 
