@@ -109,7 +109,7 @@ def _on_host_fast(guard: Guard, calls: CallState, pool: Any, loc: torch.Tensor,
     check's memo of these very ids (a cleaned copy). Outside: no shadow to read, every
     id in bounds."""
     state = pool.__dict__.get(STATE_ATTR)
-    if state is None or calls.capturing or guard.config.backend is Backend.TRITON or device.is_gpu(loc):
+    if state is None or calls.capturing or device.is_gpu(loc) or guard.config.backend is Backend.TRITON:
         return None
     if calls.depth:
         if ownids.covers(guard, pool, loc):  # the common miss: the step's ids, copied

@@ -108,11 +108,13 @@ def scan_host(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor] = None,
               live: Optional[Live] = None) -> Optional[Finding]:
     """None when every written id is in [0, high) (and, with `live`, on a live page).
     With `lens`, only each row's valid prefix is written, and checked."""
-    shape = loc.shape
-    one_dim = len(shape) == 1
-    if one_dim and lens is None and live is None and shape[0] <= _HOST_LIST_MAX:  # the common write, inline
+    one_dim = loc.dim() == 1
+    if one_dim and lens is None and live is None and loc.numel() <= _HOST_LIST_MAX:  # the common write, inline
         few = loc.tolist()
-        if not few or (min(few) >= 0 and max(few) < high):
+        if len(few) == 1:
+            if 0 <= few[0] < high:
+                return None
+        elif not few or (min(few) >= 0 and max(few) < high):
             return None
     flat = loc if one_dim else loc.reshape(-1)
     if lens is None and _clean(flat, high, live):
