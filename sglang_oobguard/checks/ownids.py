@@ -67,7 +67,8 @@ def covers(guard: Guard, pool: Any, loc: torch.Tensor) -> bool:
     if few is not None:
         shape = loc.shape
         if len(shape) == 1 and shape[0] <= FEW:
-            return all(v in few or 0 <= v < page for v in loc.tolist())
+            vals = loc.tolist()
+            return few.issuperset(vals) or all(v in few or 0 <= v < page for v in vals)
     ids = loc.reshape(-1).numpy()
     return bool((((ids >= 0) & (ids < page)) | _in_step(step, ids)).all())
 
