@@ -268,23 +268,14 @@ def timer_ns(calls: int = 200_000, cold_calls: int = 600) -> tuple[float, float]
     each call after about half a millisecond of small torch ops and Python work, as a
     layer's write comes after the layer's own ops in the engine). An estimate: the
     engine's own steps are not this process's."""
-    import torch
     import wrapt
+    from step_cost import LayerWork
 
     class Target:
         def method(self, value: int) -> int:
             return value
 
-    weights = [torch.randn(64, 64) for _ in range(24)]
-    junk = [{"a": i, "b": str(i)} for i in range(3000)]
-
-    def layer_work() -> None:  # about a tiny Llama layer's small ops on one token, and some Python
-        x = torch.randn(1, 64)
-        for w in weights:
-            x = torch.nn.functional.silu(x @ w) + x
-            x = x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
-        sum(len(d["b"]) for d in junk)
-
+    layer_work = LayerWork()
     with tempfile.TemporaryDirectory(prefix="oobguard-timer-") as folder:
         timer = owntime.OwnTime(folder)
         Target.method = wrapt.FunctionWrapper(Target.method, timer.timed("other", lambda w, i, a, k: w(*a, **k)))

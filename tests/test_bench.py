@@ -100,3 +100,15 @@ def test_history_and_read_check_benchmark_prints_every_row():
                      out, re.M), out
     for batch, context in ((1, 512), (8, 8192), (64, 2048)):
         assert re.search(rf"^\| {batch} \| {context} \| {batch * context} \| \d+ \| [\d.]+ \|$", out, re.M), out
+
+
+def test_step_cost_benchmark_prints_the_guard_beside_its_floor():
+    """bench/step_cost.py --quick: a decode step's own time under the real step hook and
+    pool, beside empty timed wrappers at the same entry points; times not asserted, but
+    both configurations must have timed the writes and the step."""
+    out = run("bench/step_cost.py", "--quick")
+    for batch in (1, 8):
+        row = re.search(rf"^\| {batch} \| ([\d.]+) us \(write ([\d.]+), step ([\d.]+)\) \| ([\d.]+) us \(write "
+                        rf"([\d.]+), step ([\d.]+)\) \| (-?[\d.]+) us \|$", out, re.M)
+        assert row, out
+        assert all(float(value) > 0 for value in row.groups()[:6]), out
