@@ -71,7 +71,7 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any,
 
 def check_decode(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int) -> Optional[list]:
     """A plain decode step of a few host ids (`writemap.plain_decode`), checked in the
-    fewest steps (`hostmap.clean_decode`): the ids as a list when clean; None: check the
+    fewest steps (`hostmap.check_decode`): the ids as a list when clean; None: check the
     step in full (`check_step`, which finds, reports and contains the same)."""
     state = pool.__dict__.get(STATE_ATTR)
     size = getattr(batch, "batch_size", None)
@@ -80,12 +80,7 @@ def check_decode(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Te
     if plain is None:
         return None
     rows, seq_lens, table = plain
-    view = hostmap.table_view(table)
-    if view.ndim != 2:
-        return None
-    vals = loc.tolist()
-    clean = hostmap.clean_decode(vals, rows.tolist(), seq_lens.tolist(), view, high, state.live)
-    return vals if clean else None
+    return hostmap.check_decode(loc, rows, seq_lens, table, high, state.live)
 
 
 def _tables(guard: Guard, state: PoolState, rule: writemap.Rule, high: int) -> stepkernel.Tables:

@@ -122,7 +122,7 @@ def _clean_few(rule: Rule, vals: list, high: int, live: Any) -> bool:
     virt = vals if rule.virtual is rule.ids else rule.virtual.tolist()[:count]
     family = rule.family
     if family == "decode" and rule.offset is None and virt is vals:  # the common step
-        return clean_decode(vals, rows, seq, table, high, live)
+        return _decode_clean(vals, rows, seq, table, high, live)
     offset = None if rule.offset is None else rule.offset.tolist()[:b]
     positions = None if rule.positions is None else rule.positions.tolist()[:count]
     for i in range(count):
@@ -140,10 +140,20 @@ def _clean_few(rule: Rule, vals: list, high: int, live: Any) -> bool:
     return live is None or _live_few(vals, rows, w, live)
 
 
-def clean_decode(vals: list, rows: list, seq: list, table: np.ndarray, high: int, live: Any) -> bool:
-    """The check of a plain decode step's ids (a list, one per row of `rows`: token i
-    writes req_to_token[rows[i], seq[i] - 1]): True when clean (the owner claims made);
-    False: check it in full."""
+def check_decode(loc: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, table: torch.Tensor, high: int,
+                 live: Any) -> Optional[list]:
+    """The check of a plain decode step's CPU ids (1-d, one per row of `rows`: token i
+    writes req_to_token[rows[i], seq_lens[i] - 1]), in the fewest steps: the ids as a
+    list when clean (the owner claims made); None: check it in full (`check_host`)."""
+    view = table_view(table)
+    if view.ndim != 2:
+        return None
+    vals = loc.tolist()
+    return vals if _decode_clean(vals, rows.tolist(), seq_lens.tolist(), view, high, live) else None
+
+
+def _decode_clean(vals: list, rows: list, seq: list, table: np.ndarray, high: int, live: Any) -> bool:
+    """Whether a decode step's ids (lists) are clean: True makes the owner claims."""
     count = len(vals)
     if len(set(vals)) != count or len(set(rows)) != count or len(rows) != count:
         return False

@@ -348,9 +348,11 @@ def load() -> None:
     if os.environ.get("OOBGUARD_COUNT"):
         wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probes.hostscan")
         wrapt.register_post_import_hook(_patch_probe, "sglang_oobguard.probes.kernels")
-        # the step's write-map check probes out_cache_loc instead of scan_host / launch
-        wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "check_host", _counter("probes")),
-                                        "sglang_oobguard.probes.hostmap")
+        # the step's write-map check probes out_cache_loc instead of scan_host / launch: a plain decode step's
+        # fast check, else (or after it, when that does not find the step clean) the full one
+        for name in ("check_decode", "check_host"):
+            wrapt.register_post_import_hook(lambda m, name=name: wrapt.wrap_function_wrapper(m, name, _counter("probes")),
+                                            "sglang_oobguard.probes.hostmap")
         wrapt.register_post_import_hook(lambda m: wrapt.wrap_function_wrapper(m, "launch", _counter("probes")),
                                         "sglang_oobguard.probes.stepkernel")
 
