@@ -37,7 +37,10 @@ point of the guard adds its time minus the sglang call it wraps, per process, to
 memory-mapped file; sglang_oobguard/report/owntime.py). Read before and after each
 round: the guard's host microseconds per forward step (every kind of entry point:
 pool writes, the step check, allocator hooks, fused writers, the flush), and their
-share of the forward steps' own wall time, the median over rounds, beside the targets.
+share of the forward steps' own wall time, the median over rounds, beside the targets;
+then the same less what the timer itself adds (measured here on an empty timed
+wrapper, cold: each call after a layer's small ops, `step_cost.LayerWork`), with the
+targets again.
 """
 
 from __future__ import annotations
