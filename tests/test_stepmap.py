@@ -91,6 +91,32 @@ def test_strict_host_path_names_the_slot_the_writer_and_the_owner(mp, guard, run
     assert len(seen) == 1  # the faulted forward never ran
 
 
+@pytest.mark.parametrize("kind", ["other_request", "bounds", "shared_row"])
+def test_a_clean_decode_step_is_answered_by_the_fast_check_alone_and_a_bad_one_by_the_full_check(
+        mp, guard, runner, monkeypatch, kind):
+    """The step's fast check of a plain decode (`hostmap.check_decode`) only ever finds a
+    step clean: anything it does not pass goes to the full check, which reports it."""
+    from sglang_oobguard.probes import hostmap
+
+    guard("strict")
+    run, seen = runner(mha(mp))
+    asked = []
+    fast, full = hostmap.check_decode, hostmap.check_host
+    monkeypatch.setattr(hostmap, "check_decode", lambda *a: asked.append(("fast", fast(*a))) or asked[-1][1])
+    monkeypatch.setattr(hostmap, "check_host", lambda *a: asked.append(("full", None)) or full(*a))
+    clean = decode(run)
+    assert run.forward(clean) == "output"
+    assert asked == [("fast", clean.out_cache_loc.tolist())]  # no full check for a clean decode step
+    asked.clear()
+    bad = {"other_request": lambda: decode(run, cross(run)[1]),
+           "bounds": lambda: decode(run, lambda own: torch.tensor([int(own[0]), HIGH + 3, int(own[2])])),
+           "shared_row": lambda: decode(run, rows=(1, 1, 3))}[kind]()
+    with pytest.raises(KVOutOfBoundsError) as info:
+        run.forward(bad)
+    assert asked == [("fast", None), ("full", None)] and info.value.violation.kind == kind
+    assert len(seen) == 1  # the bad forward never ran
+
+
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_warn_every_layer_writes_the_cleaned_ids_and_the_batch_keeps_its_own(mp, guard, runner, backend, caplog,
                                                                             monkeypatch):
