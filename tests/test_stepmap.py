@@ -168,3 +168,18 @@ def test_owner_check_catches_a_twin_the_tables_agree_on(mp, guard, runner):
     v = info.value.violation
     assert (v.kind, v.value, v.request, v.owner, v.owner_token) == ("owned", slot, "r1", "r2", 0)
     assert "is owned by another running request; slot" in str(v)
+
+
+def test_a_decode_step_with_fewer_seq_lens_than_tokens_is_not_passed_by_the_fast_check(mp, guard, runner):
+    """Every token the fast check passes met its row and length: a batch whose seq_lens is
+    shorter than its tokens (a token the lists cannot map) is not found clean there (the
+    step then takes the full check); the same batch with all its lengths is."""
+    from sglang_oobguard.probes import hostmap
+
+    guard("strict")
+    run, _ = runner(mha(mp))
+    batch = decode(run)
+    assert hostmap.check_decode(batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens[:2],
+                                run.req_to_token_pool.req_to_token, HIGH, None) is None
+    assert hostmap.check_decode(batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
+                                run.req_to_token_pool.req_to_token, HIGH, None) == batch.out_cache_loc.tolist()

@@ -109,20 +109,18 @@ def _clean_few(rule: Rule, vals: list, high: int, live: Any) -> bool:
         return True
     if count < len(vals):
         vals = vals[:count]
-    if min(vals) < 0 or max(vals) >= high or len(set(vals)) != count:
-        return False
     rows = rule.rows.tolist()  # a few ids: a list and its slice cost less than a tensor slice
     if len(rows) > b:
         rows = rows[:b]
-    if len(set(rows)) != b:
-        return False
     seq = rule.seq_lens.tolist()
     table = table_view(rule.table)
+    family = rule.family
+    if family == "decode" and rule.offset is None and rule.virtual is rule.ids:  # the common step: its own check
+        return _decode_clean(vals, rows, seq, table, high, live)
+    if min(vals) < 0 or max(vals) >= high or len(set(vals)) != count or len(set(rows)) != b:
+        return False
     nrows, ncols = table.shape
     virt = vals if rule.virtual is rule.ids else rule.virtual.tolist()[:count]
-    family = rule.family
-    if family == "decode" and rule.offset is None and virt is vals:  # the common step
-        return _decode_clean(vals, rows, seq, table, high, live)
     offset = None if rule.offset is None else rule.offset.tolist()[:b]
     positions = None if rule.positions is None else rule.positions.tolist()[:count]
     for i in range(count):
@@ -155,8 +153,8 @@ def check_decode(loc: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, 
 def _decode_clean(vals: list, rows: list, seq: list, table: np.ndarray, high: int, live: Any) -> bool:
     """Whether a decode step's ids (lists) are clean: True makes the owner claims."""
     count = len(vals)
-    if len(set(vals)) != count or len(set(rows)) != count or len(rows) != count:
-        return False
+    if len(set(vals)) != count or len(set(rows)) != count or len(rows) != count or len(seq) < count:
+        return False  # (every token must meet its row and length below)
     nrows, ncols = table.shape
     for v, row, n in zip(vals, rows, seq):
         if not (0 <= v < high and 0 <= row < nrows and 0 < n <= ncols) or table.item(row, n - 1) != v:
@@ -199,7 +197,7 @@ def check_host(rule: Rule, high: int,
     else the finding and a private copy of ids with every bad token's id set to 0; last,
     the ids as a list when a few were found clean by the fast answer (else None).
     Claims the owner table for the good tokens (a host write into the guard's shadow)."""
-    n = len(rule.ids)
+    n = rule.ids.shape[0]
     if n <= FEW and rule.family != "extend":
         vals = rule.ids.tolist()
         if _clean_few(rule, vals, high, live):
