@@ -152,21 +152,20 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
         ids = head if type(head) is torch.Tensor else getattr(head, "loc", None)  # a KVWriteLoc: its loc
         hot = calls.hot  # this step's last answer: every layer writes the same ids (set only when it serves all)
-        if hot is not None and hot[1] is ids and hot[0] is instance and hot[2] is ids and lean \
-                and not guard.config.upstream_probe:  # the common layer write: served, nothing to replace or mark
-            return wrapped(*args, **kwargs)
+        fast = None
+        if lean and hot is not None and hot[1] is ids and hot[0] is instance:
+            fast = hot[2]
+            if fast is ids and not guard.config.upstream_probe:  # the common layer write: nothing to replace or mark
+                return wrapped(*args, **kwargs)
         outer = calls.current
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
-        fast = None
-        if lean and type(ids) is torch.Tensor:  # the fast path checks ids only: the value check takes the full one
-            if hot is not None and hot[1] is ids and hot[0] is instance:
-                fast = hot[2]
-            elif not guard.config.finite:
-                try:
-                    fast = _on_host_fast(guard, calls, instance, ids, head_high)
-                except Exception:  # the full check below says what went wrong
-                    fast = None
+        # the fast path checks ids only: the value check takes the full one
+        if fast is None and lean and type(ids) is torch.Tensor and not guard.config.finite:
+            try:
+                fast = _on_host_fast(guard, calls, instance, ids, head_high)
+            except Exception:  # the full check below says what went wrong
+                fast = None
         if fast is not None:
             if fast is not ids:  # the step check's cleaned copy
                 head = fast if head is ids else dataclasses.replace(head, loc=fast)
