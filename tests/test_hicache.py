@@ -110,9 +110,12 @@ def loading(hicache, mp, monkeypatch):
     from test_reads import step
     from test_stepmap import step_runner
 
+    runners = []  # each model runner lives as long as its server would (the guard holds it weakly)
+
     def make(mode: str):
         pool, alloc, host, slots = hicache(mode)
         run, _ = step_runner(mp, monkeypatch)(pool)
+        runners.append(run)
         run.req_to_token_pool.req_to_token.zero_()
         for n in range(1, 5):
             step(run, alloc, {1: n})

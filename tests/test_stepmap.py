@@ -180,6 +180,26 @@ def test_a_decode_step_with_fewer_seq_lens_than_tokens_is_not_passed_by_the_fast
     run, _ = runner(mha(mp))
     batch = decode(run)
     assert hostmap.check_decode(batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens[:2],
-                                run.req_to_token_pool.req_to_token, HIGH, None) is None
+                                run.req_to_token_pool.req_to_token, HIGH, None, hostmap.TableView()) is None
     assert hostmap.check_decode(batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens,
-                                run.req_to_token_pool.req_to_token, HIGH, None) == batch.out_cache_loc.tolist()
+                                run.req_to_token_pool.req_to_token, HIGH, None,
+                                hostmap.TableView()) == batch.out_cache_loc.tolist()
+
+
+def test_the_step_checks_view_of_req_to_token_lives_no_longer_than_its_pool(mp, guard, runner):
+    """The guard keeps req_to_token's numpy view between steps (making it costs more than
+    the rest of a decode step's check) on the pool's state, and the last steps' runners
+    weakly (for a late report): an engine shut down inside a process (a test suite's, a
+    notebook's) leaves neither its KV pool nor its table alive."""
+    import gc
+    import weakref
+
+    guard("strict")
+    run, _ = runner(mha(mp))
+    for _ in range(2):
+        run.forward(decode(run))
+    table = weakref.ref(run.req_to_token_pool.req_to_token)
+    pool = weakref.ref(run.token_to_kv_pool)
+    del run
+    gc.collect()
+    assert pool() is None and table() is None

@@ -46,7 +46,7 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any,
     loc = rule.ids
     state = guard.state(pool, loc)
     if guard.on_host(loc):
-        finding, cleaned, few = hostmap.check_host(rule, high, state.live)
+        finding, cleaned, few = hostmap.check_host(rule, high, state.live, state.table)
         if finding is not None:  # strict and raise: raised here, before any layer
             call = finding.record(guard.step_site, -1, high, loc.numel(), guard.steps.number)
             rows = rule.rows[:rule.batch]
@@ -80,7 +80,7 @@ def check_decode(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Te
     if plain is None:
         return None
     rows, seq_lens, table = plain
-    return hostmap.check_decode(loc, rows, seq_lens, table, high, state.live)
+    return hostmap.check_decode(loc, rows, seq_lens, table, high, state.live, state.table)
 
 
 def _tables(guard: Guard, state: PoolState, rule: writemap.Rule, high: int) -> stepkernel.Tables:

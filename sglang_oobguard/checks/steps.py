@@ -89,6 +89,16 @@ def _rank(source: Any, name: str) -> Optional[int]:
     return value if isinstance(value, int) else None
 
 
+def _weakly(runner: Any) -> Any:
+    """The runner held weakly where it takes a weak reference: the last steps kept for a
+    late report must not keep an engine shut down in this process (its model runner, KV
+    pool and req_to_token) alive. (`weakref.ref` hands back the runner's one reference.)"""
+    try:
+        return weakref.ref(runner)
+    except TypeError:  # no weak references (slots): held as it is
+        return runner
+
+
 class Steps:
     """The process's step counter, its device copies, and the last steps' batches."""
 
@@ -97,7 +107,7 @@ class Steps:
         self.number = -1  # the latest step (-1: none yet)
         self.open = 0  # steps in progress on any thread (the idle flush waits for none)
         self.counters: dict[torch.device, torch.Tensor] = {}  # by device: made with its first probe
-        self._seen: deque[tuple] = deque(maxlen=LAYOUTS_KEPT)  # (step, runner, the batch's FIELDS)
+        self._seen: deque[tuple] = deque(maxlen=LAYOUTS_KEPT)  # (step, the runner held weakly, the batch's FIELDS)
         self._ranks: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
     def counter(self, device: torch.device) -> torch.Tensor:
@@ -120,15 +130,16 @@ class Steps:
             fields = tuple(map(batch.__dict__.get, FIELDS))
         except AttributeError:  # no __dict__ (slots)
             fields = tuple(getattr(batch, name, None) for name in FIELDS)
-        self._seen.append((number, runner, fields))
+        self._seen.append((number, _weakly(runner), fields))
         return number
 
     def find(self, step: int) -> Optional[Seen]:
         found = next((seen for seen in reversed(self._seen) if seen[0] == step), None)
         if found is None:
             return None
-        number, runner, (mode, size, *rest) = found
-        return Seen(number, runner, mode, int(size or 0), *rest)
+        number, held, (mode, size, *rest) = found
+        runner = held() if type(held) is weakref.ref else held  # None: its engine was shut down
+        return None if runner is None else Seen(number, runner, mode, int(size or 0), *rest)
 
     def ranks(self, runner: Any) -> str:
         """Read once per runner (a process's ranks stay); a runner that cannot be a

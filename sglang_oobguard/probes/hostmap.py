@@ -83,22 +83,26 @@ def _repeats(values: np.ndarray) -> bool:
 
 
 FEW = 64  # up to this many ids (decode batches), a clean step is checked in plain Python first
-_VIEW: list = [(None, 0, None)]  # (req_to_token, its data pointer, its numpy view): the last table read
-
-
-def table_view(table: torch.Tensor) -> np.ndarray:
+class TableView:
     """req_to_token's numpy view, made once per table (a view costs more than the rest
-    of a decode step's check); a table whose memory moved gets a new one."""
-    ptr = table.data_ptr()
-    seen, at, view = _VIEW[0]
-    if seen is table and at == ptr:
-        return view
-    view = _np(table)
-    _VIEW[0] = (table, ptr, view)
-    return view
+    of a decode step's check) and again when the table's memory moved. One per pool (its
+    state keeps it: `pools.PoolState.table`), so a table lives no longer than its engine."""
+
+    __slots__ = ("table", "at", "view")
+
+    def __init__(self) -> None:
+        self.table: Optional[torch.Tensor] = None
+        self.at = 0
+        self.view: Optional[np.ndarray] = None
+
+    def of(self, table: torch.Tensor) -> np.ndarray:
+        ptr = table.data_ptr()
+        if self.table is not table or self.at != ptr:
+            self.table, self.at, self.view = table, ptr, _np(table)
+        return self.view
 
 
-def _clean_few(rule: Rule, vals: list, high: int, live: Any) -> bool:
+def _clean_few(rule: Rule, vals: list, high: int, live: Any, views: TableView) -> bool:
     """The fast answer for a clean step of a few tokens (decode, verify, draft): True
     when every check passes (the owner claims then made, as the full check makes
     them); False: check it in full (which finds and claims the same)."""
@@ -113,7 +117,7 @@ def _clean_few(rule: Rule, vals: list, high: int, live: Any) -> bool:
     if len(rows) > b:
         rows = rows[:b]
     seq = rule.seq_lens.tolist()
-    table = table_view(rule.table)
+    table = views.of(rule.table)
     family = rule.family
     if family == "decode" and rule.offset is None and rule.virtual is rule.ids:  # the common step: its own check
         return _decode_clean(vals, rows, seq, table, high, live)
@@ -139,11 +143,11 @@ def _clean_few(rule: Rule, vals: list, high: int, live: Any) -> bool:
 
 
 def check_decode(loc: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, table: torch.Tensor, high: int,
-                 live: Any) -> Optional[list]:
+                 live: Any, views: TableView) -> Optional[list]:
     """The check of a plain decode step's CPU ids (1-d, one per row of `rows`: token i
     writes req_to_token[rows[i], seq_lens[i] - 1]), in the fewest steps: the ids as a
     list when clean (the owner claims made); None: check it in full (`check_host`)."""
-    view = table_view(table)
+    view = views.of(table)
     if view.ndim != 2:
         return None
     vals = loc.tolist()
@@ -190,17 +194,18 @@ def _live_few(vals: list, rows: list, w: int, live: Any) -> bool:
     return True
 
 
-def check_host(rule: Rule, high: int,
-               live: Any = None) -> tuple[Optional[WriteFinding], torch.Tensor, Optional[list]]:
+def check_host(rule: Rule, high: int, live: Any = None,
+               views: Optional[TableView] = None) -> tuple[Optional[WriteFinding], torch.Tensor, Optional[list]]:
     """The write map, duplicates, shared rows, bounds and (with `live`, a probe.Live)
     liveness and ownership of one forward's CPU ids. Returns (None, ids, ...) when clean,
     else the finding and a private copy of ids with every bad token's id set to 0; last,
     the ids as a list when a few were found clean by the fast answer (else None).
     Claims the owner table for the good tokens (a host write into the guard's shadow)."""
+    views = views or TableView()  # no pool's own: one for this call
     n = rule.ids.shape[0]
     if n <= FEW and rule.family != "extend":
         vals = rule.ids.tolist()
-        if _clean_few(rule, vals, high, live):
+        if _clean_few(rule, vals, high, live, views):
             return None, rule.ids, vals
     ids = _np(rule.ids)
     tok, r, p = token_map(rule, n)
@@ -208,7 +213,7 @@ def check_host(rule: Rule, high: int,
         return None, rule.ids, None
     val = ids[tok].astype(np.int64)
     virt = val if rule.virtual is rule.ids else _np(rule.virtual)[tok].astype(np.int64)
-    table = table_view(rule.table)
+    table = views.of(rule.table)
     nrows, ncols = table.shape
     rows_all = _np(rule.rows)[:rule.batch].astype(np.int64)
     rpi = rows_all[r]

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from . import device, kernels, valuekernel
+from .hostmap import TableView
 from .record import PoolRecord
 from .shadow import Live
 
@@ -50,6 +51,7 @@ class PoolState:
         self._copies: Optional[torch.Tensor] = self._new_copies() if device.is_gpu(where) else None
         self._views: dict[tuple[int, torch.dtype, torch.Size], torch.Tensor] = {}
         self.copied_for: dict[int, torch.Tensor] = {}  # region index -> the ids its copy was made of
+        self.table = TableView()  # the host step check's view of the req_to_token its steps write by
 
     def copy_for(self, region: int, loc: torch.Tensor) -> Optional[torch.Tensor]:
         """A contiguous tensor like `loc` in copy region `region` (slot * REGIONS + id
