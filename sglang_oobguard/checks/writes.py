@@ -27,6 +27,8 @@ from . import ownids, swa, values
 from .calls import CallState, argument, memo_key, replaced
 from .guard import Guard
 
+_TRITON = Backend.TRITON  # (a module global: an enum member's own look-up costs several times more)
+
 
 def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tensor, high: int,
                 layer: Callable[[], int], lens: Optional[torch.Tensor] = None, slots: bool = True) -> torch.Tensor:
@@ -109,7 +111,7 @@ def _on_host_fast(guard: Guard, calls: CallState, pool: Any, loc: torch.Tensor,
     check's memo of these very ids (a cleaned copy). Outside: no shadow to read, every
     id in bounds."""
     state = pool.__dict__.get(STATE_ATTR)
-    if state is None or calls.capturing or device.is_gpu(loc) or guard.config.backend is Backend.TRITON:
+    if state is None or calls.capturing or guard.config.backend is _TRITON or device.is_gpu(loc):
         return None
     if calls.depth:
         if ownids.covers(guard, pool, loc):  # the common miss: the step's ids, copied
@@ -147,36 +149,42 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     threads = guard.threads
     single = len(specs) == 1  # a write (a move has two id parameters: not a step's token write)
 
+    def lean_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        """The common write (one tensor of token slots) answered in the fewest steps: the
+        step's hot entry (every layer writes the same ids), else `_on_host_fast`; any other
+        write, or one not found clean here, takes `wrapper`, the full check."""
+        calls = threads.calls
+        ids = args[head_at] if len(args) > head_at else kwargs.get(head_name)
+        hot = calls.hot
+        if hot is not None and hot[1] is ids and hot[0] is instance:
+            fast = hot[2]
+        else:
+            outer = calls.current  # a super() call passing these ids on: the full wrapper's to skip
+            if type(ids) is not torch.Tensor or guard.config.finite or (outer is not None and outer[2] is ids):
+                return wrapper(wrapped, instance, args, kwargs)  # the fast path checks ids only, not values
+            try:
+                fast = _on_host_fast(guard, calls, instance, ids, head_high)
+            except Exception:  # the full check says what went wrong
+                fast = None
+            if fast is None:
+                return wrapper(wrapped, instance, args, kwargs)
+        if fast is not ids:  # the step check's cleaned copy
+            args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, fast)
+        if not guard.config.upstream_probe:  # nothing inside to skip (a nested super() call: served again)
+            return wrapped(*args, **kwargs)
+        outer = calls.current
+        calls.current = (instance, method, fast)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            calls.current = outer
+
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         calls = threads.calls
-        head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
-        ids = head if type(head) is torch.Tensor else getattr(head, "loc", None)  # a KVWriteLoc: its loc
-        hot = calls.hot  # this step's last answer: every layer writes the same ids (set only when it serves all)
-        fast = None
-        if lean and hot is not None and hot[1] is ids and hot[0] is instance:
-            fast = hot[2]
-            if fast is ids and not guard.config.upstream_probe:  # the common layer write: nothing to replace or mark
-                return wrapped(*args, **kwargs)
+        head = argument(args, kwargs, head_at, head_name)
         outer = calls.current
         if outer is not None and outer[2] is head and outer[0] is instance and outer[1] == method:
             return wrapped(*args, **kwargs)
-        # the fast path checks ids only: the value check takes the full one
-        if fast is None and lean and type(ids) is torch.Tensor and not guard.config.finite:
-            try:
-                fast = _on_host_fast(guard, calls, instance, ids, head_high)
-            except Exception:  # the full check below says what went wrong
-                fast = None
-        if fast is not None:
-            if fast is not ids:  # the step check's cleaned copy
-                head = fast if head is ids else dataclasses.replace(head, loc=fast)
-                args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, head)
-            if not guard.config.upstream_probe:  # nothing inside to skip (a nested super() call: served again)
-                return wrapped(*args, **kwargs)
-            calls.current = (instance, method, head)
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                calls.current = outer
         pending = None
         try:
             lens = None if lens_at is None else argument(args, kwargs, lens_at, "commit_lens")
@@ -218,7 +226,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
             values.publish(guard, pending)
         return result
 
-    return wrapper
+    return lean_wrapper if lean else wrapper
 
 
 def _layer_id(instance: Any, args: tuple, kwargs: dict, found: Found) -> int:
