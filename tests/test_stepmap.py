@@ -95,18 +95,22 @@ def test_strict_host_path_names_the_slot_the_writer_and_the_owner(mp, guard, run
 def test_a_clean_decode_step_is_answered_by_the_fast_check_alone_and_a_bad_one_by_the_full_check(
         mp, guard, runner, monkeypatch, kind):
     """The step's fast check of a plain decode (`hostmap.check_decode`) only ever finds a
-    step clean: anything it does not pass goes to the full check, which reports it."""
+    step clean: anything it does not pass goes to the full check, which reports it. The
+    layers of a clean step (their ids passed as the release passes them: a KVWriteLoc on
+    0.5.2x) are each served by the step's hot entry, never by a write check of their own."""
+    from sglang_oobguard.checks import writes
     from sglang_oobguard.probes import hostmap
 
     guard("strict")
     run, seen = runner(mha(mp))
     asked = []
-    fast, full = hostmap.check_decode, hostmap.check_host
+    fast, full, write_check = hostmap.check_decode, hostmap.check_host, writes.check_write
     monkeypatch.setattr(hostmap, "check_decode", lambda *a: asked.append(("fast", fast(*a))) or asked[-1][1])
     monkeypatch.setattr(hostmap, "check_host", lambda *a: asked.append(("full", None)) or full(*a))
+    monkeypatch.setattr(writes, "check_write", lambda *a, **k: asked.append(("write", None)) or write_check(*a, **k))
     clean = decode(run)
     assert run.forward(clean) == "output"
-    assert asked == [("fast", clean.out_cache_loc.tolist())]  # no full check for a clean decode step
+    assert asked == [("fast", clean.out_cache_loc.tolist())]  # no full check for a clean decode step, nor its layers
     asked.clear()
     bad = {"other_request": lambda: decode(run, cross(run)[1]),
            "bounds": lambda: decode(run, lambda own: torch.tensor([int(own[0]), HIGH + 3, int(own[2])])),

@@ -132,7 +132,8 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     """The wrapt wrapper for one found method: probe each id parameter, then write with
     what the probe hands back (the caller's ids, or a cleaned copy). A nested call on
     the same pool and method with the ids object passed on, i.e. a super() call, is
-    not probed again."""
+    not probed again. A lean method's (one tensor of token slots, nothing else checked
+    at its door) is `lean_wrapper`, which answers the common writes before the full one."""
     method = found.method
     specs = tuple((param, ids.position, name, ids.bound.high, site, ids.bound.slots)
                   for param, (ids, name, site) in enumerate(zip(found.rule.ids, found.id_names, found.sites)))
@@ -154,13 +155,14 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         step's hot entry (every layer writes the same ids), else `_on_host_fast`; any other
         write, or one not found clean here, takes `wrapper`, the full check."""
         calls = threads.calls
-        ids = args[head_at] if len(args) > head_at else kwargs.get(head_name)
+        head = args[head_at] if len(args) > head_at else kwargs.get(head_name)
+        ids = head if type(head) is torch.Tensor else getattr(head, "loc", None)  # a KVWriteLoc (0.5.2x): its loc
         hot = calls.hot
         if hot is not None and hot[1] is ids and hot[0] is instance:
             fast = hot[2]
         else:
             outer = calls.current  # a super() call passing these ids on: the full wrapper's to skip
-            if type(ids) is not torch.Tensor or guard.config.finite or (outer is not None and outer[2] is ids):
+            if type(ids) is not torch.Tensor or guard.config.finite or (outer is not None and outer[2] is head):
                 return wrapper(wrapped, instance, args, kwargs)  # the fast path checks ids only, not values
             try:
                 fast = _on_host_fast(guard, calls, instance, ids, head_high)
@@ -169,11 +171,12 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
             if fast is None:
                 return wrapper(wrapped, instance, args, kwargs)
         if fast is not ids:  # the step check's cleaned copy
-            args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, fast)
+            head = fast if head is ids else dataclasses.replace(head, loc=fast)
+            args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, head)
         if not guard.config.upstream_probe:  # nothing inside to skip (a nested super() call: served again)
             return wrapped(*args, **kwargs)
         outer = calls.current
-        calls.current = (instance, method, fast)
+        calls.current = (instance, method, head)
         try:
             return wrapped(*args, **kwargs)
         finally:
