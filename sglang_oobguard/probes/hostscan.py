@@ -71,10 +71,17 @@ def _all_live(ids: np.ndarray, live: Live) -> bool:
 
 
 def _in_bounds(flat: torch.Tensor, high: int) -> bool:
-    """Every id in [0, high): plain Python for a few ids, else one torch reduction."""
-    if flat.numel() <= _HOST_LIST_MAX:
+    """Every id in [0, high), in the fewest tensor calls (right after a large KV write each
+    costs several times its warm time, issue 35): a few 1-d ids as a Python list, else
+    one torch reduction (over any shape)."""
+    shape = flat.shape
+    if len(shape) == 1 and shape[0] <= _HOST_LIST_MAX:
         few = flat.tolist()
+        if len(few) == 1:
+            return 0 <= few[0] < high
         return not few or (min(few) >= 0 and max(few) < high)
+    if 0 in shape:  # no ids (a Size is a tuple: no tensor call)
+        return True
     lo, hi = torch.aminmax(flat)
     return lo.item() >= 0 and hi.item() < high
 
@@ -108,16 +115,10 @@ def scan_host(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor] = None,
               live: Optional[Live] = None) -> Optional[Finding]:
     """None when every written id is in [0, high) (and, with `live`, on a live page).
     With `lens`, only each row's valid prefix is written, and checked."""
-    one_dim = loc.dim() == 1
-    if one_dim and lens is None and live is None and loc.numel() <= _HOST_LIST_MAX:  # the common write, inline
-        few = loc.tolist()
-        if len(few) == 1:
-            if 0 <= few[0] < high:
-                return None
-        elif not few or (min(few) >= 0 and max(few) < high):
-            return None
-    flat = loc if one_dim else loc.reshape(-1)
-    if lens is None and _clean(flat, high, live):
+    if lens is None and live is None and _in_bounds(loc, high):  # the common write: no flattening
+        return None
+    flat = loc.reshape(-1)
+    if lens is None and live is not None and _clean(flat, high, live):
         return None
     return _finding(flat, _write_mask(loc, high, lens, live))
 
