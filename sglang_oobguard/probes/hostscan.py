@@ -70,28 +70,10 @@ def _all_live(ids: np.ndarray, live: Live) -> bool:
     return bool(held.all()) or bool((held | (inside < live.page)).all())
 
 
-def _in_bounds(flat: torch.Tensor, high: int) -> bool:
-    """Every id in [0, high), in the fewest tensor calls (right after a large KV write each
-    costs several times its warm time, issue 35): a few 1-d ids as a Python list, else
-    one torch reduction (over any shape)."""
-    shape = flat.shape
-    if len(shape) == 1 and shape[0] <= _HOST_LIST_MAX:
-        few = flat.tolist()
-        if len(few) == 1:
-            return 0 <= few[0] < high
-        return not few or (min(few) >= 0 and max(few) < high)
-    if 0 in shape:  # no ids (a Size is a tuple: no tensor call)
-        return True
-    lo, hi = torch.aminmax(flat)
-    return lo.item() >= 0 and hi.item() < high
-
-
-def _clean(flat: torch.Tensor, high: int, live: Optional[Live]) -> bool:
-    """The fast answer for a clean call: True when every id is in [0, high) and (with
-    `live`) on a live page; False means "scan it in full". Plain Python for a few ids,
-    numpy over the shadow's memory or one torch reduction for many."""
-    if live is None:
-        return _in_bounds(flat, high)
+def _clean(flat: torch.Tensor, high: int, live: Live) -> bool:
+    """The fast answer for a clean call with a shadow: True when every id is in [0, high)
+    and on a live page; False means "scan it in full". Plain Python for a few ids, numpy
+    over the shadow's memory for many."""
     host = live.host
     if host is None:
         return False
@@ -115,9 +97,22 @@ def scan_host(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor] = None,
               live: Optional[Live] = None) -> Optional[Finding]:
     """None when every written id is in [0, high) (and, with `live`, on a live page).
     With `lens`, only each row's valid prefix is written, and checked."""
-    if lens is None and live is None and _in_bounds(loc, high):  # the common write: no flattening
-        return None
-    flat = loc.reshape(-1)
+    shape = loc.shape
+    if lens is None and live is None:  # the common write: its bound alone, in the fewest tensor calls (issue 35)
+        if len(shape) == 1 and shape[0] <= _HOST_LIST_MAX:  # a few ids: a Python list
+            few = loc.tolist()
+            if len(few) == 1:
+                if 0 <= few[0] < high:
+                    return None
+            elif not few or (min(few) >= 0 and max(few) < high):
+                return None
+        elif 0 in shape:  # no ids (a Size is a tuple: no tensor call)
+            return None
+        else:  # many: one torch reduction, over any shape
+            lo, hi = torch.aminmax(loc)
+            if lo.item() >= 0 and hi.item() < high:
+                return None
+    flat = loc if len(shape) == 1 else loc.reshape(-1)
     if lens is None and live is not None and _clean(flat, high, live):
         return None
     return _finding(flat, _write_mask(loc, high, lens, live))
