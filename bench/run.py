@@ -124,24 +124,21 @@ def write_rows(quick: bool) -> list[dict]:
 
     allocators: list = []
 
-    def live() -> None:
-        unwrap_empty()
-        os.environ.pop(ASYNC_ASSERT, None)
+    def live() -> None:  # from a clean guard each time: a shadow of its own, every slot handed out
+        plain()
         os.environ[LIVENESS] = "1"
         sglang_oobguard.install("strict")
-        if not allocators:  # its constructor starts the pool's shadow; then every slot is handed out
-            allocators.append(TokenToKVPoolAllocator(SIZE, torch.bfloat16, "cpu", pool, False))
-            allocators[0].alloc(SIZE)
+        # its constructor starts the pool's shadow (uninstall took the last one off the pool)
+        allocators[:] = [TokenToKVPoolAllocator(SIZE, torch.bfloat16, "cpu", pool, False)]
+        allocators[0].alloc(SIZE)
 
     def upstream() -> None:
-        unwrap_empty()
-        sglang_oobguard.uninstall()
+        plain()
         os.environ[ASYNC_ASSERT] = "1"
 
     def both() -> None:  # the guard with upstream's flag on: upstream's duplicate is skipped
-        unwrap_empty()
+        plain()  # (not a reconfigured guard that kept the last variant's shadow)
         os.environ[ASYNC_ASSERT] = "1"
-        os.environ.pop(LIVENESS, None)
         sglang_oobguard.install("strict")
 
     rows = []
