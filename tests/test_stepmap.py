@@ -190,11 +190,13 @@ def test_a_decode_step_with_fewer_seq_lens_than_tokens_is_not_passed_by_the_fast
                                 hostmap.TableView()) == batch.out_cache_loc.tolist()
 
 
-def test_the_step_checks_view_of_req_to_token_lives_no_longer_than_its_pool(mp, guard, runner):
+@pytest.mark.parametrize("uninstalled", [False, True])
+def test_the_step_checks_view_of_req_to_token_lives_no_longer_than_its_pool(mp, guard, runner, uninstalled):
     """The guard keeps req_to_token's numpy view between steps (making it costs more than
     the rest of a decode step's check) on the pool's state, and the last steps' runners
     weakly (for a late report): an engine shut down inside a process (a test suite's, a
-    notebook's) leaves neither its KV pool nor its table alive."""
+    notebook's) leaves neither its KV pool nor its table alive; nor does uninstall, which
+    keeps the pool states for the graphs that may still replay their probes."""
     import gc
     import weakref
 
@@ -202,6 +204,8 @@ def test_the_step_checks_view_of_req_to_token_lives_no_longer_than_its_pool(mp, 
     run, _ = runner(mha(mp))
     for _ in range(2):
         run.forward(decode(run))
+    if uninstalled:
+        sglang_oobguard.uninstall()
     table = weakref.ref(run.req_to_token_pool.req_to_token)
     pool = weakref.ref(run.token_to_kv_pool)
     del run

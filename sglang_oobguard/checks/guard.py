@@ -91,7 +91,7 @@ class Guard:
     def forget(self) -> None:
         """Take our attributes off sglang's objects again (uninstall); the pool states
         stay alive, since a captured graph may still replay their probes."""
-        device.retain((list(self.states), self.steps))
+        device.retain(([state.for_graphs() for state in self.states], self.steps))
         for ref, attr in self._marked:
             obj = ref()
             if obj is not None:

@@ -53,6 +53,12 @@ class PoolState:
         self.copied_for: dict[int, torch.Tensor] = {}  # region index -> the ids its copy was made of
         self.table = TableView()  # the host step check's view of the req_to_token its steps write by
 
+    def for_graphs(self) -> "PoolState":
+        """This state as uninstall keeps it, for the graphs that may still replay its
+        probes: without its host view of sglang's req_to_token, which no graph reads."""
+        self.table = TableView()
+        return self
+
     def copy_for(self, region: int, loc: torch.Tensor) -> Optional[torch.Tensor]:
         """A contiguous tensor like `loc` in copy region `region` (slot * REGIONS + id
         parameter); None when `loc` holds more ids than a region."""
