@@ -247,3 +247,55 @@ def test_a_slot_handed_back_to_its_own_reader_at_another_position_is_caught(engi
     v = info.value.violation
     assert (v.kind, v.request, v.token, v.value, v.owner, v.owner_token) == ("read_reused", "r1", 1, int(prefix[1]),
                                                                              "r1", 5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_a_decode_that_continues_its_half_filled_page_reads_its_own_slots(mp, guard, runner, backend):
+    """Page size 4 (trust issue): sglang's paged allocator continues a request's half-filled
+    last page at decode; the earlier slots of that page are still the request's own, at the
+    same generation and owner. With 5 prompt tokens (page 2 half full), three decode steps
+    continue page 2 and a fourth opens page 3: nothing is reported, and the opened page gets
+    a new generation while the continued one keeps its own."""
+    from helpers import paged_allocator
+    from sglang.srt.mem_cache import allocator
+    from sglang_oobguard.probes.pools import STATE_ATTR
+    from sglang_oobguard.probes.shadow import GEN
+
+    guard("strict", backend, liveness=True)
+    pool = mha(mp, 64, page_size=4)
+    alloc = paged_allocator(allocator, pool)
+    run, _ = runner(pool)
+    table = run.req_to_token_pool.req_to_token
+    table.zero_()
+    rows, n = (1, 2), 5
+    zeros, lens = torch.zeros(2, dtype=torch.int64), torch.full((2,), n, dtype=torch.int64)
+    slots = alloc.alloc_extend(zeros, zeros, lens, lens, torch.full((2,), -1, dtype=torch.int64), 2 * n)
+    for i, row in enumerate(rows):
+        table[row, :n] = slots[i * n:(i + 1) * n].to(table.dtype)
+    run.forward(_extend_rows(run, rows, n, slots))
+    history = pool.__dict__[STATE_ATTR].live.history
+    generation = int(history[GEN, int(table[1, 4]) // 4])
+    for seq in range(n + 1, n + 5):
+        last = table[list(rows), seq - 2].long()
+        new = alloc.alloc_decode(torch.full((2,), seq), torch.full((2,), seq), last)
+        for i, row in enumerate(rows):
+            table[row, seq - 1] = int(new[i])
+        run.forward(decode(run, rows=rows, seq_lens=(seq, seq)))
+        sglang_oobguard.check()  # the kernel's record: nothing
+    assert int(history[GEN, int(table[1, 4]) // 4]) == generation  # continued three times, never reopened
+    assert int(history[GEN, int(table[1, 8]) // 4]) > generation  # page 3, opened by the last decode
+
+
+def _extend_rows(run, rows, n: int, slots: torch.Tensor):
+    """One extend of n prompt tokens for each row (prefix 0), at `slots` in row order."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    size = len(rows)
+    batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=size,
+                         input_ids=torch.zeros(size * n, dtype=torch.int64), req_pool_indices=torch.tensor(rows),
+                         seq_lens=torch.full((size,), n), out_cache_loc=slots.long(), seq_lens_sum=size * n,
+                         extend_seq_lens=torch.full((size,), n), extend_prefix_lens=torch.zeros(size, dtype=torch.int64),
+                         extend_start_loc=torch.arange(size) * n)
+    batch.seq_lens_cpu, batch.rids = torch.full((size,), n), [f"r{row}" for row in rows]
+    batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu = [n] * size, [0] * size
+    return batch

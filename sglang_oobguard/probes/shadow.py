@@ -68,25 +68,33 @@ def new_live(pages: int, page: int, device: torch.device) -> Live:
 FEW = 32  # up to this many ids, a CPU shadow's pages are worked out in plain Python
 
 
-def _pages(live: Live, ids: torch.Tensor, host: bool) -> Union[torch.Tensor, np.ndarray, list]:
+def _pages(live: Live, ids: torch.Tensor, host: bool, opening: bool = False) -> Union[torch.Tensor, np.ndarray, list]:
     """The page of each id; an id outside the shadow gets the sink (left to the bound
     checks). `host`: the caller checks these ids on the host (`Guard.on_host`); then,
     for a CPU shadow, host values (numpy indexes the same memory at a fraction of a
-    torch op's fixed cost, a list for a few ids less still). Otherwise device ops."""
+    torch op's fixed cost, a list for a few ids less still). Otherwise device ops.
+    `opening`: only ids at a page's offset 0 count (the others get the sink)."""
     flat = ids.reshape(-1)
+    opening = opening and live.page > 1
     if host and live.host is not None and flat.is_cpu:
-        return _host_pages(live, flat)
+        return _host_pages(live, flat, opening)
     flat = flat.to(live.flags.device, torch.int64)
-    return torch.where((flat >= 0) & (flat < live.high), flat // live.page, live.pages)
+    keep = (flat >= 0) & (flat < live.high)
+    if opening:
+        keep &= flat % live.page == 0
+    return torch.where(keep, flat // live.page, live.pages)
 
 
-def _host_pages(live: Live, flat: torch.Tensor) -> Union[np.ndarray, list]:
+def _host_pages(live: Live, flat: torch.Tensor, opening: bool) -> Union[np.ndarray, list]:
     """`_pages` of CPU ids for a CPU shadow, as host values."""
     high, page, sink = live.high, live.page, live.pages
     if flat.numel() <= FEW:
-        return [i // page if 0 <= i < high else sink for i in flat.tolist()]
+        return [i // page if 0 <= i < high and not (opening and i % page) else sink for i in flat.tolist()]
     values = flat.numpy()
-    return np.where((values >= 0) & (values < high), values // page, sink)
+    keep = (values >= 0) & (values < high)
+    if opening:
+        keep &= values % page == 0
+    return np.where(keep, values // page, sink)
 
 
 def _fill(table: torch.Tensor, pages: Union[torch.Tensor, np.ndarray, list], value: int) -> None:
@@ -102,15 +110,21 @@ def _host_fill(table: torch.Tensor, pages: Union[np.ndarray, list], value: int) 
 
 
 def mark(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False) -> None:
-    """The allocator handed these ids out: their pages are live, have no owner yet, a
-    new generation, and `event` (callsite.pack: step and site) as their last allocation."""
+    """The allocator handed these ids out: their pages are live. A page opened by this
+    call (an id at its offset 0: taken off the free list) has no owner yet, a new
+    generation, and `event` (callsite.pack: step and site) as its last allocation; a
+    page the call only continues (a request's half-filled last page, paged allocators)
+    keeps its owner and history: its earlier slots are still the same request's."""
     pages = _pages(live, ids, host)
     _fill(live.flags, pages, 1)
+    if live.owner is None and live.history is None:
+        return
+    opened = _pages(live, ids, host, opening=True) if live.page > 1 else pages
     if live.owner is not None:
-        _fill(live.owner, pages, 0)
+        _fill(live.owner, opened, 0)
     if live.history is not None:
-        _fill(live.history[GEN], pages, next(_serials))
-        _fill(live.history[ALLOCATED], pages, event)
+        _fill(live.history[GEN], opened, next(_serials))
+        _fill(live.history[ALLOCATED], opened, event)
 
 
 def release(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False) -> None:
