@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Union
 import wrapt
 
 from ..checks import flush
-from ..checks.guard import Guard
+from ..checks.guard import Guard, checks_on
 from ..checks.stepcheck import make_forward_hook
 from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
@@ -32,7 +32,7 @@ from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets
                               pool_classes, resolve, write_methods)
 from ..model.swatargets import FAMILIES_SHORT, SWA_ALLOCATOR_MODULE
 from ..model.log import ensure_visible, logger
-from ..model.targets import (FUSED_WRITERS, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
+from ..model.targets import (FUSED_WRITERS, IDLE_HOOK, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
                              version_of_sglang, write_map_off)
 from ..model.violation import Violation
 from ..report.files import open_report
@@ -118,6 +118,8 @@ class Instrumentor:
         """A module outside the pools was imported: hook what the targets name in it."""
         if module.__name__ == STEP_HOOK.module:
             self._hook_step(module)
+        if module.__name__ == IDLE_HOOK.module:
+            self._hook_idle(module)
         for writer in FUSED_WRITERS:
             if module.__name__ in writer.modules:
                 try:
@@ -132,6 +134,14 @@ class Instrumentor:
                            STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)
             return
         self.patches.wrap(owner, STEP_HOOK.method, make_forward_hook(self.guard, STEP_HOOK.pool_attr), "step")
+
+    def _hook_idle(self, module: ModuleType) -> None:
+        owner, method = idle_method(module)
+        if owner is None:
+            logger.warning("sglang_oobguard: no %s.%s.(%s): counts are filed by the idle thread and at exit only",
+                           IDLE_HOOK.module, IDLE_HOOK.owner, " or ".join(IDLE_HOOK.methods))
+            return
+        self.patches.wrap(owner, method, flush.make_idle_hook(self.guard), "other")
 
     def _wrap_writer(self, module: ModuleType, writer: Any) -> None:
         if writer.function in module.__dict__:
@@ -205,8 +215,18 @@ _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hoo
 
 
 def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, SWA_ALLOCATOR_MODULE, *kvhooks.MODULES,
+    return [STEP_HOOK.module, IDLE_HOOK.module, SWA_ALLOCATOR_MODULE, *kvhooks.MODULES,
             *(module for writer in FUSED_WRITERS for module in writer.modules)]
+
+
+def idle_method(module: ModuleType) -> tuple[Optional[type], str]:
+    """(the class that defines the scheduler's idle method, its name), or (None, "")."""
+    scheduler = getattr(module, IDLE_HOOK.owner, None)
+    for method in IDLE_HOOK.methods:
+        for owner in getattr(scheduler, "__mro__", ()):
+            if method in owner.__dict__:
+                return owner, method
+    return None, ""
 
 
 def _when_imported(module: str) -> None:
@@ -278,18 +298,19 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.patches.entries if isinstance(entry, Found)]
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
-                "defined so far), sglang %s, liveness=%s (owner check %s), finite=%s, %s, %s", os.getpid(),
+                "defined so far), sglang %s, liveness=%s (owner check %s), finite=%s, %s, %s; checks on: %s", os.getpid(),
                 config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
                 version, f"on (tracks {FAMILIES_SHORT})" if config.liveness else "off", "on" if config.liveness else "off",
                 "on" if config.finite else "off",
                 f"write map off ({write_map_off()})" if write_map_off() else
-                f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})", kvhooks.releases())
+                f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})", kvhooks.releases(),
+                ", ".join(checks_on(config)))
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped + absent) or "nothing")
-    _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent)
+    _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent, checks_on(config))
     return _active.patches.entries
 
 
@@ -340,4 +361,4 @@ def check() -> None:
 
 
 def violations() -> list[Violation]:
-    return [] if _active is None else _active.guard.violations()
+    return [] if _active is None else list(_active.guard.reporter.latest.values())

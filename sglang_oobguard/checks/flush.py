@@ -14,6 +14,10 @@ next step, and are covered here:
   the exit flush.
 - process exit (atexit), shutdown and uninstall: `flush(guard)` waits for each record's copies
   (an event synchronize) and publishes what they read.
+
+The same two moments file what each check did (`report.counts`): a `counts` record when
+the server idles after new work (a server's schedulers are killed, not exited), a final
+one and one log line at exit.
 - before the report folder is read in this process: the pytest plugin's
   sessionfinish calls check() (which flushes); `python -m sglang_oobguard report`
   runs in another process and reads what the guarded processes filed: their idle
@@ -35,10 +39,11 @@ import weakref
 from typing import Any, Optional
 
 from ..model.config import Mode
-from ..model.log import logger
+from ..model.log import info_at_exit, logger
 from ..probes import device
+from ..report import counts
 from ..report.reporter import KVOutOfBoundsError
-from .guard import Guard
+from .guard import Guard, checks_on
 
 IDLE_S = 0.5  # seconds without a step or a new copy before the idle flush
 
@@ -102,10 +107,39 @@ def at_shutdown(guard: Guard) -> None:
         logger.error("sglang_oobguard: flush at shutdown failed: %s: %s", type(exc).__name__, exc)
 
 
+def file_counts(guard: Guard, final: bool = False) -> None:
+    """File what each check did since the last filing (final: always, and the exit line)."""
+    if not (final or guard.counts.changed()):
+        return
+    snapshot = guard.counts.filing(checks_on(guard.config))
+    if guard.reporter.file is not None:
+        guard.reporter.file.counts(snapshot, final)
+    if final:
+        info_at_exit("sglang_oobguard: checked in this process (pid %d): %s", os.getpid(), counts.line(snapshot))
+
+
+def make_idle_hook(guard: Guard) -> Any:
+    """The wrapt wrapper of sglang's scheduler idle method: the counts filed as it idles."""
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        try:
+            file_counts(guard)
+        except Exception as exc:
+            guard.internal_error("counts at idle", exc)
+        return result
+
+    return wrapper
+
+
 def at_exit() -> None:
-    """Process exit: flush every live guard."""
+    """Process exit: flush every live guard, and file its counts."""
     for guard in list(_guards):
         at_shutdown(guard)
+        try:
+            file_counts(guard, final=True)
+        except Exception as exc:
+            logger.error("sglang_oobguard: counts at exit failed: %s: %s", type(exc).__name__, exc)
 
 
 def idle_tick(guard: Guard, seen: dict) -> None:
@@ -116,7 +150,10 @@ def idle_tick(guard: Guard, seen: dict) -> None:
         seen["last"] = now
         seen["restarted"] = False
         return
-    if guard.steps.open or guard.config.mode is not Mode.WARN:
+    if guard.steps.open:
+        return
+    file_counts(guard)
+    if guard.config.mode is not Mode.WARN:
         return
     states = [state for state in list(guard.states) if device.is_gpu(state.device)]
     for state in states:

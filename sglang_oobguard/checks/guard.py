@@ -16,11 +16,13 @@ from ..model.discover import Found
 from ..model.log import logger
 from ..model.targets import POOL_IDS
 from ..model import callsite
+from ..model.targets import write_map_off
 from ..model.violation import Kind, Violation, assert_text, free_param, site_id
 from ..probes import device, shadow
 from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from ..probes.record import Record, fold_host
 from ..report import owntime
+from ..report.counts import Counts
 from ..report.reporter import Reporter
 from .calls import CallState, PerThread
 from .steps import Steps
@@ -35,7 +37,8 @@ class Guard:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.reporter = Reporter(config.warn_interval_s)
+        self.counts = Counts()  # what each check did (`report.counts`)
+        self.reporter = Reporter(config.warn_interval_s, self.counts)
         self.own_time = owntime.open_for(config.own_time)  # a benchmark's; fixed by the first install
         self.states: "weakref.WeakSet[PoolState]" = weakref.WeakSet()
         self.polled: "weakref.WeakSet[PoolState]" = weakref.WeakSet()  # a kernel probed them: read at step ends
@@ -136,9 +139,6 @@ class Guard:
         for state in list(self.states):
             self.publish(state, state.record.read_now())
 
-    def violations(self) -> list[Violation]:
-        return list(self.reporter.latest.values())
-
     def first_time(self, key: str) -> bool:
         """True the first time `key` is asked for: a line said once per guard."""
         said = key in self._said
@@ -150,6 +150,16 @@ class Guard:
         if self.first_time(f"internal {where}"):
             logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
                          where, type(exc).__name__, exc)
+
+
+def checks_on(config: Config) -> tuple[str, ...]:
+    """The checks this configuration runs everywhere it applies (SWA, PD and HiCache
+    only where sglang runs those features: they are counted when they first work)."""
+    mapped = write_map_off() is None
+    on = ["bounds", *(["map", "ownids"] if mapped else [])]
+    if config.liveness:
+        on += ["liveness", "history", *(["owners", "reads"] if mapped else [])]
+    return tuple(on + (["finite"] if config.finite else []))
 
 
 def history(state: PoolState, record: Record) -> dict[str, Any]:

@@ -47,6 +47,7 @@ def make_wrapper(method: str, what: str, guard: Guard) -> Callable[..., Any]:
         if not isinstance(ids, torch.Tensor) or not isinstance(device_pool, pools):
             return wrapped(*args, **kwargs)  # a device pool that is no KVCache keeps ids of its own
         layer = argument(args, kwargs, 3, "layer_id", -1) if method.startswith("load") else -1
+        guard.counts.add("hicache", "loads" if method.startswith("load") else "writes")
         passed = check_write(guard, device_pool, site, 0, ids, POOL_IDS.high(device_pool),
                              lambda: int(layer) if isinstance(layer, int) else -1)
         if method.startswith("load") and guard.config.liveness:

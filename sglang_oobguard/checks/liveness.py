@@ -73,6 +73,7 @@ def _alloc(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call
     result = call()
     if isinstance(result, torch.Tensor) and state.live is not None:
         host = guard.on_host(result)
+        _count(guard, state, "allocs")
         if result.numel() and host:  # a live page handed out again (the GPU path: not yet)
             checked(guard, lambda: check_hand_out(guard, allocator, state, site, result))
         _quietly(guard, "alloc", lambda: _update(state, lambda live: shadow.mark(live, result, call.event, host)))
@@ -194,6 +195,13 @@ def counted(guard: Guard, allocator: Any, family: str, call: Call) -> Any:
         calls.freeing = outer
 
 
+def _count(guard: Guard, state: PoolState, unit: str) -> None:
+    """A hand-out or free checked, and the history event it writes."""
+    guard.counts.add("liveness", unit)
+    if state.live is not None and state.live.history is not None:
+        guard.counts.add("history", "events")
+
+
 def _update(state: PoolState, change: Callable[[shadow.Live], Any]) -> None:
     """A shadow update, ordered after the write probes enqueued so far."""
     assert state.live is not None
@@ -230,6 +238,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
     free on the host (the live ones, once each); None: free `ids` as they are."""
     live = state.live
     assert live is not None
+    _count(guard, state, "frees")
     if in_pages:
         live = live.as_pages()
     high = live.high

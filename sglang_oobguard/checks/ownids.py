@@ -87,6 +87,7 @@ def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, laye
         return
     if step.clean.get(id(loc)) is loc:
         return
+    guard.counts.add("ownids", "writes")
     ids = loc.reshape(-1).numpy()
     bad = (ids >= step.page) & (ids < high) & ~_in_step(step, ids)
     if not bad.any():

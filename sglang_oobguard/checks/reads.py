@@ -63,6 +63,7 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
         if not host:  # compiled at the first step (sglang's warm-up forward), never while serving
             readkernel.warm_up(seen, table, rows, batch.seq_lens, state.live, state.record.tensor,
                                guard.steps.counter(state.device), site_id(READ_LABEL), high)
+    guard.counts.add("reads", "steps")
     rids = list(batch.rids)[:size]
     mode = getattr(getattr(batch, "forward_mode", None), "name", "").lower()
     extend = mode in EXTENDS

@@ -31,6 +31,7 @@ import torch
 from ..model.config import Backend
 from ..model.targets import POOL_IDS
 from ..probes import device
+from ..probes.pools import STATE_ATTR
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, reads, stepmap
 from .calls import memo_key
@@ -63,7 +64,7 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     few = None if gpu or guard.config.backend is Backend.TRITON else \
         stepmap.check_decode(guard, runner, batch, pool, loc, high)
     if few is not None:
-        passed = None
+        passed, mapped = None, True
         if not guard.config.finite:  # the layers that write with these very ids find them first
             calls.hot = (pool, loc, loc)
         ownids.remember(guard, pool, loc, None, few)
@@ -71,10 +72,24 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
         passed, mapped, few = _check_writes(guard, runner, batch, pool, loc, high, capturing)
         if mapped:
             ownids.remember(guard, pool, loc, passed, few)
+    _count(guard, pool, mapped)
     # after the owner claims of this step's writes; on the releases whose step layouts the write map knows
     if guard.config.liveness and not capturing and stepmap.WRITE_MAP_OFF is None:
         reads.check_reads(guard, runner, batch, pool, high)
     return passed
+
+
+def _count(guard: Guard, pool: Any, mapped: bool) -> None:
+    """The step's checks, counted: bounds (and liveness) always, the map and owners where it ran."""
+    counts, state = guard.counts, pool.__dict__.get(STATE_ATTR)
+    live = state is not None and state.live is not None
+    counts.add("bounds", "steps")
+    if live:
+        counts.add("liveness", "steps")
+    if mapped:
+        counts.add("map", "steps")
+        if live and state.live.owner is not None:
+            counts.add("owners", "steps")
 
 
 def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int,

@@ -55,6 +55,7 @@ def check_values(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: in
     host = guard.on_host(loc)
     pending: Pending = []
     strict = guard.config.mode is Mode.STRICT and device.is_gpu(loc)
+    guard.counts.add("finite", "writes")
     for name, values in given:
         if host or not isinstance(values, torch.Tensor):
             finding = scan_values(values, loc.numel())

@@ -52,6 +52,10 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
         served = _memoized(calls.memo, key, state, loc)
         if served is not None:
             return served
+    counts = guard.counts
+    counts.add("bounds", "writes")
+    if live is not None:
+        counts.add("liveness", "writes")
     if host:
         passed = _scan(guard, state, site, loc, high, layer, lens, live)
         where = -1
@@ -116,6 +120,7 @@ def _on_host_fast(guard: Guard, calls: CallState, pool: Any, loc: torch.Tensor,
     if calls.depth:
         if ownids.covers(guard, pool, loc):  # the common miss: the step's ids, copied
             calls.hot = (pool, loc, loc)
+            guard.counts.add("ownids", "writes")
             return loc
         high = high_of(pool)
         key = memo_key(pool, high, 0, loc, None, state.live is not None)
@@ -124,6 +129,7 @@ def _on_host_fast(guard: Guard, calls: CallState, pool: Any, loc: torch.Tensor,
             calls.hot = (pool, loc, served)
         return served
     if state.live is None and hostscan.scan_host(loc, high_of(pool)) is None:
+        guard.counts.add("bounds", "writes")
         return loc
     return None
 

@@ -31,3 +31,11 @@ def ensure_visible() -> None:
         logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+def info_at_exit(message: str, *args: object) -> None:
+    """logger.info at interpreter exit, where a handler's stream may be closed already
+    (pytest's capture): said only when every stream it would reach is still open."""
+    handlers = [*logging.getLogger().handlers, *logger.handlers]
+    if all(not getattr(getattr(h, "stream", None), "closed", False) for h in handlers):
+        logger.info(message, *args)

@@ -206,6 +206,19 @@ STEP_HOOK = StepHook("sglang.srt.model_executor.model_runner", "ModelRunner", "f
 
 
 @dataclass(frozen=True)
+class IdleHook:
+    """Where sglang's scheduler goes idle (its own idle checks run there): the guard files
+    what each check did, since a server's schedulers are killed, never exited."""
+
+    module: str
+    owner: str
+    methods: tuple[str, ...]  # the first the owner has (through its bases), newest release first
+
+
+IDLE_HOOK = IdleHook("sglang.srt.managers.scheduler", "Scheduler", ("on_idle", "self_check_during_idle"))
+
+
+@dataclass(frozen=True)
 class Writer:
     """A KV writer outside the pool classes: a module function that writes K/V rows at
     ids it takes itself. Looked up by sglang at call time in `module` (its callers

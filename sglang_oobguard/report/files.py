@@ -1,9 +1,11 @@
 """Report files: each guarded process appends JSON lines to a file of its own in
 SGLANG_OOBGUARD_REPORT_DIR, for a CI job to gate on (`summary` reads them back).
 
-One activation record when the guard installs, then one record per reported
-violation: `Violation.as_dict()`, so every field the report
-has (or gains) is in the file with no second schema. Each line is one `os.write` on
+One activation record when the guard installs (naming the checks that are on), one
+record per reported violation: `Violation.as_dict()`, so every field the report
+has (or gains) is in the file with no second schema; and a `counts` record
+(`report.counts`: what each check did) whenever the server idles after new work, and
+a final one at exit. Each line is one `os.write` on
 an O_APPEND descriptor, so concurrent writers never interleave within a line. Writes
 happen when a violation is published, never on the guarded write's path, and never
 raise into sglang: a folder that cannot be written gets one warning and the guard
@@ -26,7 +28,7 @@ from ..model.log import logger
 from ..model.violation import Violation
 
 FORMAT = 1  # bumped when a record's meaning changes; `summary` reads this format
-ACTIVATION, VIOLATION = "activation", "violation"
+ACTIVATION, VIOLATION, COUNTS = "activation", "violation", "counts"
 PREFIX, SUFFIX = "oobguard-", ".jsonl"
 
 
@@ -54,6 +56,9 @@ class ReportFile:
 
     def violation(self, pool_key: int, violation: Violation) -> None:
         self._append({"kind": VIOLATION, "pool_key": pool_key, "violation": violation.as_dict()})
+
+    def counts(self, counts: dict[str, dict[str, int]], final: bool) -> None:
+        self._append({"kind": COUNTS, "counts": counts, "final": final})
 
     def _append(self, record: Optional[dict[str, Any]]) -> None:
         """Write one record (None: only make sure the file is open); never raises. The
@@ -87,13 +92,14 @@ class ReportFile:
         os.write(self._fd, line.encode())
 
 
-def activation_record(config: Any, sglang_version: str, guarded: list[str], not_guarded: list[str]) -> dict[str, Any]:
+def activation_record(config: Any, sglang_version: str, guarded: list[str], not_guarded: list[str],
+                      checks: tuple[str, ...] = ()) -> dict[str, Any]:
     """What the activation record says of this process: the guard's settings, what it
     guards, and which sglang process (and ranks) it runs in, where that is known."""
     role, ranks = process_role()
     return {"oobguard": _our_version(), "sglang": sglang_version, "mode": config.mode.value,
             "backend": config.backend.value, "liveness": config.liveness, "finite": config.finite,
-            "guarded": len(guarded),
+            "checks": list(checks), "guarded": len(guarded),
             "methods": guarded, "not_guarded": not_guarded, "role": role, "ranks": ranks,
             "argv": " ".join(sys.argv)[:300]}
 
@@ -124,11 +130,12 @@ def _our_version() -> str:
         return "unknown"
 
 
-def open_report(config: Any, sglang_version: str, guarded: list[str], not_guarded: list[str]) -> Optional[ReportFile]:
+def open_report(config: Any, sglang_version: str, guarded: list[str], not_guarded: list[str],
+                checks: tuple[str, ...] = ()) -> Optional[ReportFile]:
     """The process's report file with its activation record written, when the
     configuration names a folder; None otherwise."""
     if config.report_dir is None:
         return None
-    report = ReportFile(config.report_dir, activation_record(config, sglang_version, guarded, not_guarded))
+    report = ReportFile(config.report_dir, activation_record(config, sglang_version, guarded, not_guarded, checks))
     report.start()
     return report

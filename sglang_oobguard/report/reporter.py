@@ -9,7 +9,8 @@ import time
 from typing import Optional
 
 from ..model.log import logger
-from ..model.violation import Violation
+from ..model.violation import CHECK_OF, Violation
+from .counts import Counts
 from .files import ReportFile
 
 
@@ -34,8 +35,9 @@ class KVOutOfBoundsError(IndexError):
 class Reporter:
     """Keeps every pool's latest violation, files it, and raises or rate-limits the warn log."""
 
-    def __init__(self, warn_interval_s: float) -> None:
+    def __init__(self, warn_interval_s: float, counts: Optional[Counts] = None) -> None:
         self.warn_interval_s = warn_interval_s
+        self.counts = Counts() if counts is None else counts  # each report counted for its check
         self.latest: dict[int, Violation] = {}  # key: the pool's serial number
         self._last_log: Optional[float] = None
         self._suppressed = 0
@@ -43,6 +45,7 @@ class Reporter:
 
     def publish(self, key: int, violation: Violation, fatal: bool) -> None:
         self.latest[key] = violation
+        self.counts.add(CHECK_OF.get(violation.kind, "bounds"), "reports")
         if self.file is not None:
             self.file.violation(key, violation)
         if fatal:

@@ -15,18 +15,21 @@ from datetime import datetime, timezone
 from typing import Any, Optional
 
 from ..model.violation import Violation
-from .files import ACTIVATION, PREFIX, SUFFIX, VIOLATION
+from . import counts
+from .files import ACTIVATION, COUNTS, PREFIX, SUFFIX, VIOLATION
 
 OK, VIOLATIONS, UNGUARDED = 0, 1, 2  # exit codes
 
 
 @dataclass
 class Process:
-    """One guarded process: its activation record, and how many violation reports it filed."""
+    """One guarded process: its activation record, how many violation reports it filed,
+    and what each check did (its last `counts` record)."""
 
     file: str
     activation: dict[str, Any]
     reports: int = 0
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -47,6 +50,16 @@ class Summary:
     processes: list[Process]
     groups: list[Group]
     problems: list[str]  # unreadable files and lines, records before any activation
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """What each check did, summed over the processes (a check on in any process is listed)."""
+        total: dict[str, dict[str, int]] = {}
+        for process in self.processes:
+            for check, units in process.counts.items():
+                mine = total.setdefault(check, {})
+                for unit, n in units.items():
+                    mine[unit] = mine.get(unit, 0) + n
+        return total
 
     @property
     def exit_code(self) -> int:
@@ -82,6 +95,8 @@ def read(folder: str) -> Summary:
                     if kind == ACTIVATION:
                         current = Process(name, record)
                         processes.append(current)
+                    elif kind == COUNTS and current is not None:
+                        current.counts = record.get("counts") or {}
                     elif kind == VIOLATION:
                         if current is None:
                             problems.append(f"{name}:{number}: a violation before any activation record")
@@ -156,6 +171,12 @@ def render(summary: Summary) -> str:
             lines.append(f"  {group.label} | {group.pool} | layer {layer}: {plural(group.reports, 'report')} in "
                          f"{plural(len(group.processes), 'process')}; first {_when(first)}, pid {first.get('pid')} on "
                          f"{first.get('host')}: {describe(first)}")
+    totals = summary.totals()
+    if totals:
+        never = [check for check, units in totals.items() if not any(n for u, n in units.items() if u != "reports")]
+        lines.append(f"checked (all processes): {counts.line(totals)}")
+        if never:
+            lines.append(f"never ran: {', '.join(never)} (on, but no process counted any work for them)")
     lines.append("processes:" + ("" if summary.processes else " none"))
     lines += [_process_line(process) for process in summary.processes]
     lines += [f"unreadable: {problem}" for problem in summary.problems]
@@ -171,7 +192,9 @@ def as_json(summary: Summary) -> dict[str, Any]:
         "groups": [{"label": g.label, "pool": g.pool, "layer": g.layer, "reports": g.reports,
                     "processes": sorted(g.processes), "first": {**g.first, "message": describe(g.first)}}
                    for g in summary.groups],
-        "processes": [{"file": p.file, "reports": p.reports, **p.activation} for p in summary.processes],
+        "checked": summary.totals(),
+        "processes": [{"file": p.file, "reports": p.reports, "counts": p.counts, **p.activation}
+                      for p in summary.processes],
         "problems": summary.problems,
     }
 

@@ -1,0 +1,74 @@
+"""Every check counts what it did (the trust issue): per process, the steps, writes, frees
+and hand-outs each check looked at and the reports it made, filed in the report folder
+(when sglang's scheduler idles, and a final record at exit), summed by `report DIR`, and
+said in one log line at exit. A check that is on and never ran shows as a zero."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import sglang_oobguard
+from helpers import GUARDED_WRITE, mha, run_python, token_allocator
+from sglang_oobguard import KVOutOfBoundsError
+from sglang_oobguard.model.violation import CHECK_OF, Kind
+from test_report_dir import report
+
+
+def test_every_kind_of_report_belongs_to_a_check():
+    from sglang_oobguard.report.counts import CHECKS
+
+    assert {kind.name.lower() for kind in Kind} == set(CHECK_OF)
+    assert set(CHECK_OF.values()) <= set(CHECKS)
+
+
+def test_writes_frees_hand_outs_and_reports_are_counted_per_check(mp, guard):
+    from sglang.srt.mem_cache import allocator
+    from helpers import Layer
+
+    guard("strict", liveness=True)
+    pool = mha(mp, 64)
+    alloc = token_allocator(allocator, pool)
+    counts = sglang_oobguard.activate.instrument._active.guard.counts
+    slots = alloc.alloc(4)
+    k = torch.ones(4, 2, 4)
+    pool.set_kv_buffer(Layer(0), slots, k, k)
+    alloc.free(slots[:2])
+    try:
+        alloc.free(slots[:1])  # a double free: reported by liveness
+    except KVOutOfBoundsError:
+        pass
+    got = counts.snapshot(("bounds", "map", "reads"))
+    assert got["liveness"] == {"writes": 1, "frees": 2, "allocs": 1, "reports": 1}, got
+    assert got["bounds"] == {"writes": 1} and got["history"] == {"events": 3}
+    assert got["map"] == {} and got["reads"] == {}  # on, never ran here: listed as zeros
+
+
+ENGINE_LIKE = GUARDED_WRITE + """
+from sglang.srt.managers import scheduler
+from sglang_oobguard.activate.instrument import idle_method
+owner, method = idle_method(scheduler)
+owner.__dict__[method]._self_wrapper(lambda: None, None, (), dict())  # the installed hook, over an idle that does nothing
+print("IDLE", owner.__name__, method)
+import os
+os._exit(0) if {killed} else None
+"""
+
+
+def test_counts_are_filed_when_the_scheduler_idles_and_at_exit(tmp_path):
+    """A killed scheduler (sglang's shutdown) leaves its idle record; an exit adds the final one."""
+    for killed in (True, False):
+        folder = tmp_path / f"killed-{killed}"
+        done = run_python(ENGINE_LIKE.format(ids=[5, 6], killed=killed),
+                          {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_REPORT_DIR": str(folder)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "IDLE Scheduler on_idle" in done.stdout
+        (path,) = folder.iterdir()
+        filed = [json.loads(line) for line in path.read_text().splitlines() if '"counts"' in line]
+        assert [record["final"] for record in filed] == ([False] if killed else [False, True]), filed
+        assert filed[-1]["counts"]["bounds"] == {"writes": 1}
+        assert ("checked in this process" in done.stderr) is not killed
+        summary = report(folder)
+        assert "checked (all processes): bounds: 0 steps" not in summary.stdout
+        assert "checked (all processes): bounds: 1 writes" in summary.stdout, summary.stdout
