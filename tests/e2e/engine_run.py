@@ -6,6 +6,10 @@ step belongs to request i on every run.
     python tests/e2e/engine_run.py MODEL_DIR [batch|radix] [amx|eagle|ngram] [tp=2]
     python tests/e2e/engine_run.py MODEL_DIR serve [batch=8] [tokens=128] [cuda]
     python tests/e2e/engine_run.py MODEL_DIR decode [abort]
+    python tests/e2e/engine_run.py MODEL_DIR random SEED [page=P]
+
+Any workload also takes `page=P`, `chunk=N` (chunked_prefill_size), `pool=N`
+(max_total_tokens), `radix=off` and `overlap=off` (the clean matrix's dimensions).
 
 `decode`: PD disaggregation's decode side, fake transfer backend (see `decode`).
 
@@ -21,6 +25,9 @@ verify path), which sglang replaces by torch_native on a CPU without AMX unless 
 launching process states the platform fact: done here, for this test engine only;
 its ops are the test-only stand-ins in tests/standins/sgl_kernel. `tp=2`: two
 tensor-parallel ranks, with the two variables that needs on this machine.
+
+`random SEED` (tests/e2e/random_load.py): a seeded random workload with shared prefixes,
+random lengths and max_new_tokens, aborts in flight and a small pool; outputs by rid.
 
 `serve` (bench/engine.py): one engine that stays up and times rounds on command.
 `batch=B` distinct prompts, greedy, `tokens=N` new tokens each (EOS ignored, so every
@@ -76,7 +83,13 @@ WORKLOADS = {
     # HiCache on the CPU (tests/hicache_shim.py through the fault plugin): `hicache` below
     "hicache": ([], dict(enable_hierarchical_cache=True, hicache_io_backend="direct", hicache_mem_layout="layer_first",
                          max_total_tokens=768, chunked_prefill_size=512)),
+    # tests/e2e/random_load.py: prompts and aborts drawn from the seed (the argument after the workload)
+    "random": ([], dict(max_total_tokens=256, chunked_prefill_size=32, schedule_conservativeness=0.01)),
 }
+# the clean matrix's dimensions, on any workload: option=value -> the engine's setting
+SETTINGS = {"page": ("page_size", int), "chunk": ("chunked_prefill_size", int), "pool": ("max_total_tokens", int),
+            "radix": ("disable_radix_cache", lambda value: value == "off"),
+            "overlap": ("disable_overlap_schedule", lambda value: value == "off")}
 # `decode abort`: a 60-token request aborted 0.6 s after it was sent, then three of 24-34 tokens, more than
 # the pool has left: the last takes pages the aborted one gave back
 DECODE_ABORT = [" ".join([PROMPTS[i]] * n) for i, n in ((1, 12), (0, 8), (2, 8), (3, 8))]
@@ -111,8 +124,12 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
                 options["speculative_draft_model_path"] = model
         elif arg == "abort" and workload == "decode":
             pass
-        elif arg.startswith("page="):  # the pools' and allocators' page size
-            options["page_size"] = int(arg[5:])
+        elif arg.partition("=")[0] in SETTINGS:  # page=P, chunk=N, pool=N, radix=off, overlap=off
+            name, _, value = arg.partition("=")
+            setting, parse = SETTINGS[name]
+            options[setting] = parse(value)
+        elif workload == "random" and arg.isdigit():  # its seed
+            pass
         elif arg.startswith("tp="):
             options["tp_size"] = int(arg[3:])
             # one NUMA node here, so each rank's OpenMP threads are bound by hand; and an
@@ -121,8 +138,8 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
             os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(map(str, range(options["tp_size"]))))
             os.environ.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so")
         else:
-            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram, page=P or tp=N "
-                             "(serve: batch=B, tokens=N, cuda)")
+            raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram, tp=N, page=P, "
+                             "chunk=N, pool=N, radix=off or overlap=off (serve: batch=B, tokens=N, cuda; random: SEED)")
     return options
 
 
@@ -257,6 +274,10 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
             result.update(decode(engine, "abort" in extra))
         elif workload == "hicache":
             result.update(hicache(engine))
+        elif workload == "random":
+            from random_load import run_random
+
+            result.update(run_random(engine, int(next(arg for arg in extra if arg.isdigit()))))
         else:
             outs = engine.generate(WORKLOADS[workload][0], {"temperature": 0, "max_new_tokens": 16})
             result["outputs"] = [out.get("output_ids") for out in outs]
