@@ -14,27 +14,15 @@ from typing import Optional
 import pytest
 from importlib.metadata import version
 
+import doctor_expected as written
 from helpers import ROOT, SGLANG, has, run_python
-from sglang_oobguard.model.targets import module_file
-from sglang_oobguard.model.transfertargets import (HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS, HICACHE_SINCE,
-                                                  TRANSFER_HOOKS, TRANSFER_SINCE)
 
 DOCTOR = "import sys; from sglang_oobguard.__main__ import main; sys.exit(main(['doctor']))"
-# What the doctor's own discovery should list, from the same walk in a second interpreter.
-EXPECTED = """
-import json
-from sglang_oobguard.model.discover import Found, import_pool_modules
-from sglang_oobguard.model.discover import coverage
-from sglang_oobguard.model.violation import site_label
-import_pool_modules()
-rows = []
-for e in coverage():
-    if isinstance(e, Found):
-        rows += [[e.qualname, site_label(s), f"[0, {i.bound.rule})", "guarded"] for i, s in zip(e.rule.ids, e.sites)]
-    else:
-        rows.append([e.qualname, e.reason, "", "alone" if e.by_design else "not"])
-print(json.dumps(rows))
-"""
+LATEST = SGLANG == written.RELEASE  # the release the written lists were read from (doctor_expected)
+# On every release of the matrix: rows whose class and method exist there unchanged (survey, section 2).
+EVERY_RELEASE_GUARDED = [("MHATokenToKVPool.set_kv_buffer", "in [0, size + page_size)"),
+                         ("MLATokenToKVPool.set_kv_buffer", "in [0, size + page_size)"),
+                         ("MLATokenToKVPool.set_mla_kv_buffer", "in [0, ")]
 
 
 def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
@@ -66,45 +54,57 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
     assert "  the read check, with liveness: every slot each request reads" in out
     assert "  slot history, with liveness: each report names the slot's last free and allocation" in out
     assert "  a layer's write with ids of its own (not the step's out_cache_loc)" in out
-    expected = run_python(EXPECTED, {})
-    rows = json.loads(expected.stdout.strip().splitlines()[-1])
-    assert any(kind == "guarded" for *_, kind in rows)
     sections = section_rows(out)
-    for qualname, what, bound, kind in rows:
-        if kind == "guarded":
-            assert any(qualname in line and what in line and bound in line for line in sections["guarded"]), qualname
-        else:  # named with its reason, under "not guarded" or "left alone"
-            part = sections["not guarded" if kind == "not" else "left alone, writes nothing"]
-            assert any(qualname in line and what in line for line in part), qualname
-    # every count says what it counts: methods, one row each, the same as the walk's
-    methods = {kind: len({qualname for qualname, *_, k in rows if k == kind}) for kind in ("guarded", "not", "alone")}
-    assert [len(sections[title]) for title in ("guarded", "not guarded", "left alone, writes nothing")] == \
-        [methods["guarded"], methods["not"], methods["alone"]]
-    assert f"guarded ({methods['guarded']} methods, of the pool classes of every pool module" in out
-    assert f"not guarded ({methods['not']} methods):" in out or methods["not"] == 0
-    # the KV transfer check: each hook found (or named absent), and what it cannot see
-    for module, owner, method, _ in TRANSFER_HOOKS:  # each method as this release has it
-        try:
-            here = method in vars(getattr(importlib.import_module(module), owner, object))
-        except Exception:  # 0.4.x: the module does not import on this CPU, and doctor says so
-            here = None
+    listed = {title: {row.split()[0]: row.split(None, 1)[1] for row in sections[title]}
+              for title in ("guarded", "not guarded", "left alone, writes nothing")}
+    if LATEST:  # the written lists, row for row
+        assert listed["guarded"] == dict(written.GUARDED)
+        assert listed["not guarded"] == dict(written.NOT_GUARDED)
+        assert listed["left alone, writes nothing"] == dict(written.LEFT_ALONE)
+    for qualname, bound in EVERY_RELEASE_GUARDED:
+        assert bound in listed["guarded"].get(qualname, ""), (qualname, listed["guarded"].get(qualname))
+    assert "KVCache.set_kv_buffer" in listed["left alone, writes nothing"]  # abstract: raises
+    for row in listed["guarded"].values():  # each id parameter: label: ids in [0, bound)
+        assert re.fullmatch(r"[^:;]+: \w+ in \[0, [^;]+\)(, valid prefix of each row)?"
+                            r"(; [^:;]+: \w+ in \[0, [^;]+\))?", row), row
+    counts = {title: len(rows) for title, rows in listed.items()}
+    assert f"guarded ({counts['guarded']} methods, of the pool classes of every pool module" in out
+    assert f"not guarded ({counts['not guarded']} methods):" in out or counts["not guarded"] == 0
+    # the KV transfer check: each hook found (or named absent), as the installed sglang has it
+    for module, owner, method in written.TRANSFER_HOOKS:
+        here = _defines(module, owner, method)
         state = "not importable here" if here is None else f"found in {module}" if here else "ABSENT"
+        if LATEST:
+            assert state == f"found in {module}", method
         # 0.4.x: doctor's fresh interpreter may not import what this one (with the tests' shims) does
         assert any(f"{owner}.{method}" in line and (state in line or "not importable here" in line and
                                                     SGLANG.startswith("0.4.")) for line in sections["KV transfers"]), method
     assert "the transfer engine's RDMA write itself is not observable" in out
     assert "the fake backend (and any with the deferred release off) gives no drain signal" in out
-    for where, owner in HICACHE_POOLS:  # the HiCache check: each host pool's load and backup
-        for method, what in HICACHE_METHODS:
-            assert any(f"{owner}.{method}" in line and what in line and
-                       (f"found in {where}" if has("MHATokenToKVPoolHost.load_to_device_per_layer") else "ABSENT") in line
-                       for line in sections["HiCache"]), method
-    for where, owner, method, _ in HICACHE_LOAD_HOOKS:  # the holder check: what each load is for
-        here = module_file(where) is not None and method in vars(getattr(importlib.import_module(where), owner, object))
-        assert any(f"{owner}.{method}" in line and (f"found in {where}" if here else "ABSENT") in line
+    for module, owner, method, what in written.HICACHE_COPIES:  # the HiCache check: each host pool's load and backup
+        here = _defines(module, owner, method)
+        assert not LATEST or here, method
+        assert any(f"{owner}.{method}" in line and what in line and (f"found in {module}" if here else "ABSENT") in line
                    for line in sections["HiCache"]), method
-    assert f"KV transfers (PD disaggregation, sglang {TRANSFER_SINCE}+" in out and f"HiCache (sglang {HICACHE_SINCE}+" in out
+    for module, owner, method in written.HICACHE_LOADS:  # the holder check: what each load is for
+        here = _defines(module, owner, method)
+        assert not LATEST or here, method
+        assert any(f"{owner}.{method}" in line and (f"found in {module}" if here else "ABSENT") in line
+                   for line in sections["HiCache"]), method
+    assert "KV transfers (PD disaggregation, sglang 0.5.21+" in out and "HiCache (sglang 0.5.16+" in out
 
+
+def _defines(module: str, owner: str, method: str) -> Optional[bool]:
+    """Whether the installed sglang's `module` defines `owner.method` (None: it does not import here)."""
+    from pathlib import Path
+
+    base = Path(importlib.util.find_spec("sglang").submodule_search_locations[0], *module.split(".")[1:])
+    if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
+        return False
+    try:
+        return method in vars(getattr(importlib.import_module(module), owner, object))
+    except Exception:
+        return None
 
 def section_rows(out: str) -> dict[str, list[str]]:
     """The doctor's sections ("title (N methods):" or "title: none") and their rows,
@@ -163,33 +163,32 @@ def test_doctor_exits_non_zero_when_a_deeper_check_is_asked_for_with_the_guard_o
 
 
 def test_doctor_says_whether_the_value_check_is_on_and_which_writers_values_it_cannot_see():
-    from sglang_oobguard.model.finite import UNSEEN, WRITER_VALUES, stored_values
-    from sglang_oobguard.model.targets import FUSED_WRITERS
-
     off = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn"})
     on = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_FINITE": "1"})
     assert off.returncode == on.returncode == 0, off.stderr[-2000:] + on.stderr[-2000:]
     assert "\nfinite values: off (set SGLANG_OOBGUARD_FINITE=1 to check it); " in off.stdout
     line = next(row for row in on.stdout.splitlines() if row.startswith("finite values: on; "))
-    assert UNSEEN and all(f"{function} ({why})" in line for function, why in UNSEEN.items()), line
-    for writer in FUSED_WRITERS:  # each writer's row names the values it reads (none where its signature differs)
-        row = next(row for row in on.stdout.splitlines() if row.split()[:1] == [writer.function])
-        names = _parameters(writer)
-        stored = WRITER_VALUES.get(writer.function, ()) if names is None else stored_values(writer.function, names)
-        named = ", ".join(name for _, name in stored)
-        assert row.endswith("; values: " + (named or "NOT seen")), row
+    assert all(f"{function} ({why})" in line for function, why in written.UNSEEN.items()), line
+    rows = {row.split()[0]: row.split(None, 1)[1] for row in on.stdout.split("fused writers (", 1)[1].split("\n")[1:]
+            if row.startswith("  ") and row.split()[0] in written.FUSED_WRITERS}
+    assert set(rows) == set(written.FUSED_WRITERS)  # every writer has its row, on every release
+    for writer, row in rows.items():
+        if LATEST:  # written out: bound, where found, the values read (its parameters in 0.5.23's signature)
+            assert row == written.FUSED_WRITERS[writer], row
+        else:  # the values a writer's row names are parameters of the writer as this release defines it
+            values = row.rsplit("; values: ", 1)[1]
+            names = _parameters(writer, row)
+            assert values == "NOT seen" or names is not None and all(v in names for v in values.split(", ")), row
+    assert rows["fused_fp8_set_kv_buffer"].endswith("; values: NOT seen")  # unread, on every release
 
 
-def _parameters(writer) -> Optional[list[str]]:
-    """The writer's parameters in the first of its modules that imports here, else None."""
-    for module in writer.modules:
-        try:
-            function = getattr(importlib.import_module(module), writer.function, None)
-        except Exception:
-            continue
-        if function is not None:
-            return list(inspect.signature(function).parameters)
-    return None
+def _parameters(writer: str, row: str) -> Optional[list[str]]:
+    """The writer's parameters in the module its doctor row found it in, else None."""
+    found = re.search(r": found in (\S+);", row)
+    if found is None:
+        return None
+    function = getattr(importlib.import_module(found.group(1)), writer)
+    return list(inspect.signature(function).parameters)
 
 
 # A sitecustomize for a fresh interpreter: the import of sglang's memory_pool raises

@@ -19,7 +19,7 @@ from sglang_oobguard.probes import readkernel
 SIGNATURE = {
     "table_ptr": "*i32", "table_stride": "i64", "ncols": "i32", "rows_ptr": "*i64", "seq_ptr": "*i64", "prefix_ptr": "*i32", "written": "i32", "batch": "i32",
     "extend": "i32", "live_ptr": "*i32", "owner_ptr": "*i32", "gen_ptr": "*i64", "live_page": "i32",
-    "live_high": "i64", "seen_slot_ptr": "*i32", "seen_gen_ptr": "*i32", "checked_ptr": "*i64",
+    "live_high": "i64", "seen_slot_ptr": "*i32", "seen_gen_ptr": "*i32", "checked_ptr": "*i64", "found_ptr": "*i64", "scratch_ptr": "*i64",
     "record_ptr": "*i64", "step_ptr": "*i64", "site": "i32", "high": "i64", "BLOCK": "constexpr"}
 kernel = triton.compile(ASTSource(fn=readkernel._read_kernel, signature=SIGNATURE,
                                   constexprs={"BLOCK": readkernel.READ_BLOCK}),

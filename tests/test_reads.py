@@ -176,7 +176,8 @@ def _extend(run, row: int, slots: torch.Tensor):
 def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard, runner, monkeypatch):
     """Item 4: a writer that computes its own ids (not the step's out_cache_loc) and targets
     another running request's slot at layer 1 is caught at that write, the holder named;
-    the same values in a tensor of its own pass."""
+    the same values in a tensor of its own pass. (Layer 1 writes only the first two
+    tokens: ids not of the step's shape are checked for membership, `not_step`.)"""
     from helpers import Layer, model_runner_class
 
     guard("strict")
@@ -191,8 +192,9 @@ def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard,
         for layer in range(2):
             own = batch.out_cache_loc.clone()  # ids of the writer's own: the same values
             if layer == 1 and batch.batch_size == 3:
+                own = own[:2].clone()
                 own[0] = target
-            self.token_to_kv_pool.set_kv_buffer(Layer(layer), own, k, k)
+            self.token_to_kv_pool.set_kv_buffer(Layer(layer), own, k[:own.numel()], k[:own.numel()])
             layers_seen.append(layer)
         return "output"
 
@@ -204,6 +206,43 @@ def test_a_layer_writing_with_ids_of_its_own_gets_the_write_map_check(mp, guard,
     assert (v.kind, v.layer, v.value, v.owner, v.owner_token) == ("not_step", 1, target, "r2", 0)
     assert "is not a slot this forward step's tokens write" in str(info.value)
     assert layers_seen == [0, 1, 0]  # the bad write never ran
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_a_layer_writing_a_permutation_of_the_steps_slots_is_caught(mp, guard, runner, monkeypatch, many):
+    """Trust issue: a layer whose ids are the step's own slots in another order
+    (`out_cache_loc.roll(1)`) writes each token into another running request's slot;
+    each id is a slot of the step, so a membership test passes it. Ids of the step's
+    shape are compared token by token: token 0 (r1 token 4) writes r3 token 2's slot.
+    many: the comparison for a step of more than a few ids (numpy), forced by FEW = 1."""
+    from helpers import Layer, model_runner_class
+    from sglang_oobguard.checks import ownids
+
+    if many:
+        monkeypatch.setattr(ownids, "FEW", 1)
+    guard("strict")
+    run, _ = runner(mha(mp))
+    hooked = model_runner_class().__dict__["forward"]
+    written = []
+
+    def layers(self, batch, *args, **kwargs):
+        k = torch.ones(batch.out_cache_loc.numel(), 2, 4)
+        for layer in range(2):
+            self.token_to_kv_pool.set_kv_buffer(Layer(layer), batch.out_cache_loc.roll(1), k, k)
+            written.append(layer)
+        return "output"
+
+    monkeypatch.setattr(hooked, "__wrapped__", layers)
+    batch = decode(run)
+    own = batch.out_cache_loc.tolist()
+    with pytest.raises(KVOutOfBoundsError) as info:
+        run.forward(batch)
+    v = info.value.violation
+    assert (v.kind, v.layer, v.pos, v.value, v.expected, v.bad) == ("other_request", 0, 0, own[2], own[0], 3)
+    assert (v.request, v.token, v.owner, v.owner_token) == ("r1", 4, "r3", 2)
+    assert f"loc[0] = {own[2]} is not this token's slot (req_to_token holds {own[0]}); slot {own[2]} is held " \
+           f"by request r3 token 2" in str(info.value)
+    assert written == []  # the bad write never ran
 
 
 def test_an_mla_pool_is_read_checked_alike(mp, guard, runner, monkeypatch):

@@ -98,6 +98,10 @@ def run() -> int:
     return 0
 
 
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB"
+
+
 def _outside_pools() -> list[str]:
     """The forward-step check and the fused writers: found in this sglang or not (the
     lines to print; their modules are imported here, inside quiet())."""
@@ -112,6 +116,9 @@ def _outside_pools() -> list[str]:
         target = getattr(loaded, owner, None) if owner else loaded
         return f"found in {module}" if target is not None and name in vars(target) else f"ABSENT ({name} not in {module})"
 
+    from ..checks import reads  # (torch: doctor's first lines need none)
+    from ..probes.readmap import Seen
+
     lines = ["forward step (one check of out_cache_loc per step, reports at step boundaries):",
              f"  {STEP_HOOK.owner + '.' + STEP_HOOK.method:48} "
              f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
@@ -119,11 +126,14 @@ def _outside_pools() -> list[str]:
              f"liveness: {'OFF, ' + write_map_off() if write_map_off() else 'on'}; not checked:",
              *(f"    {name}: {why}" for name, why in UNMAPPED),
              "  fused writers that take out_cache_loc themselves are reported, not contained, for ownership",
-             "  a layer's write with ids of its own (not the step's out_cache_loc): each id a slot of the step's "
-             "tokens (CPU ids)",
+             "  a layer's write with ids of its own (not the step's out_cache_loc): one id per token, each its "
+             "token's own slot; another shape, each id a slot of the step's tokens (CPU ids)",
              "  the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live "
              "and of the generation it first read (host path on CPU tensors, one launch on a GPU); where the write "
              "map runs (" + (write_map_off() or "on here") + ")",
+             f"  the read check's memory, with liveness: {reads.MEMORY} as sglang sizes its pools (sglang's "
+             f"budget does not count it), before serving and capture: {_gib(Seen.bytes_for(4096, 131072))} for "
+             f"4096 rows x 131072 context, {_gib(Seen.bytes_for(2048, 131072))} for 2048",
              "  slot history, with liveness: each report names the slot's last free and allocation (step, call "
              "site) and generation",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]

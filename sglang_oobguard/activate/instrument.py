@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 import wrapt
 
-from ..checks import flush
+from ..checks import flush, reads
 from ..checks.guard import Guard, checks_on
 from ..checks.stepcheck import make_forward_hook
 from ..checks.writers import make_writer_wrapper
@@ -105,6 +105,9 @@ class Instrumentor:
         skipped = self.guard_classes(discover(base))
         swahooks.hook_pools(pool_classes(base), self.guard, self.patches.of_kind("other"))
         self.patches.wrap(base, "__init__", make_constructor_hook(self.guard), "other")
+        table_pool = getattr(sys.modules.get(base.__module__), "ReqToTokenPool", None)
+        if table_pool is not None:  # the read check's memory, made with the table (liveness on)
+            self.patches.wrap(table_pool, "__init__", reads.make_table_hook(self.guard), "other")
         self._hook_new_classes(base)
         classes = set(pool_classes(base))  # exact types: an ABC subclass check per object costs seconds
         attach_existing(self.guard, (obj for obj in gc.get_objects() if type(obj) in classes))
@@ -300,7 +303,7 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
                 "defined so far), sglang %s, liveness=%s (owner check %s), finite=%s, %s, %s; checks on: %s", os.getpid(),
                 config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
-                version, f"on (tracks {FAMILIES_SHORT})" if config.liveness else "off", "on" if config.liveness else "off",
+                version, f"on (tracks {FAMILIES_SHORT}; read check memory {reads.MEMORY})" if config.liveness else "off", "on" if config.liveness else "off",
                 "on" if config.finite else "off",
                 f"write map off ({write_map_off()})" if write_map_off() else
                 f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})", kvhooks.releases(),

@@ -4,12 +4,17 @@ The step check maps the step's out_cache_loc (each token's slot is its own). A
 writer that computes ids of its own (not that tensor, nor the step check's cleaned
 copy) escapes the map: its ids pass the bound and liveness checks as long as they
 name a live slot, even another running request's. So inside a step, on the step's
-pool, a single-id write with other ids gets the map's check too: each id must be a
-slot one of this step's tokens writes (padding slot 0 exempt). Host path: CPU ids.
+pool, a single-id write with other ids gets the map's check too. A write of the step's
+shape (1-d, one id per token of out_cache_loc) is a per-token write: token i's id must
+be token i's own slot, the step's checked id at i (a permutation of the step's slots
+writes each token into another's: `Kind.OTHER_REQUEST`, both sides named). Any other
+shape: each id must be a slot one of this step's tokens writes (`Kind.NOT_STEP`).
+Padding (the padding page, slot 0) is exempt in both. Host path: CPU ids.
 
 The same comparison answers the common case first (`covers`): a write whose ids are
-all slots the step check passed is covered by that check (bounds, liveness, the map,
-the owners) and needs no probe of its own. sglang 0.5.23 copies the step's
+the step's checked ids (same shape: position by position; else all slots of the step)
+is covered by that check (bounds, liveness, the map, the owners) and needs no probe of
+its own. sglang 0.5.23 copies the step's
 out_cache_loc into its runner's buffer before any layer runs, so the layers' ids are
 never the object the step check saw.
 """
@@ -39,6 +44,7 @@ class StepIds(NamedTuple):
     page: int
     clean: dict[int, torch.Tensor]  # id -> the ids tensors found clean this step (every layer writes the same)
     few: Optional[frozenset]  # the slots of a step of a few tokens (decode), as a set
+    order: Any  # the step's checked ids in token order: a list (a few) or a numpy array
 
 
 def remember(guard: Guard, pool: Any, given: torch.Tensor, passed: Optional[torch.Tensor],
@@ -47,30 +53,42 @@ def remember(guard: Guard, pool: Any, given: torch.Tensor, passed: Optional[torc
     the ids as the step check read them on the host (a list), when it read a few."""
     calls = guard.calls
     if checked is not None and passed is None:  # the common step: its few ids, as read
-        calls.step_ids = StepIds(pool, given, None, None, int(pool.page_size), {}, frozenset(checked))
+        calls.step_ids = StepIds(pool, given, None, None, int(pool.page_size), {}, frozenset(checked), checked)
         return
     calls.step_ids = None
     if given.is_cpu and guard.on_host(given):
         kept = given if passed is None else passed  # contained ids (sent to slot 0) are no step's slots
-        few = frozenset(kept.tolist()) if kept.numel() <= FEW and kept.dim() == 1 else None
-        values = np.unique(kept.numpy()) if few is None else None
-        calls.step_ids = StepIds(pool, given, passed, values, int(pool.page_size), {}, few)
+        listed = kept.tolist() if kept.numel() <= FEW and kept.dim() == 1 else None
+        few = None if listed is None else frozenset(listed)
+        order = listed if listed is not None else kept.reshape(-1).numpy()
+        values = np.unique(order) if few is None else None
+        calls.step_ids = StepIds(pool, given, passed, values, int(pool.page_size), {}, few, order)
 
 
 def covers(guard: Guard, pool: Any, loc: torch.Tensor) -> bool:
-    """Whether every id of `loc` is a slot the step check passed, or in the padding
-    page: that check then holds for this write too."""
+    """Whether `loc` writes only what the step check passed, or the padding page: each
+    token its own slot (the step's shape), else slots of the step. That check then holds
+    for this write too."""
     step = guard.calls.step_ids
     if step is None or step.pool is not pool or not loc.is_cpu:
         return False
-    few, page = step.few, step.page
-    if few is not None:
-        shape = loc.shape
-        if len(shape) == 1 and shape[0] <= FEW:
-            vals = loc.tolist()
-            return few.issuperset(vals) or all(v in few or 0 <= v < page for v in vals)
+    few, page, order = step.few, step.page, step.order
+    shape = loc.shape
+    if few is not None and len(shape) == 1 and shape[0] <= FEW:
+        vals = loc.tolist()
+        if len(vals) == len(order):  # a token's write: its own slot (one list compare when clean)
+            return vals == order or all(v == o or 0 <= v < page for v, o in zip(vals, order))
+        return few.issuperset(vals) or all(v in few or 0 <= v < page for v in vals)
     ids = loc.reshape(-1).numpy()
-    return bool((((ids >= 0) & (ids < page)) | _in_step(step, ids)).all())
+    return bool((((ids >= 0) & (ids < page)) | _mine(step, loc, ids)).all())
+
+
+def _mine(step: StepIds, loc: torch.Tensor, ids: np.ndarray) -> np.ndarray:
+    """Which of `ids` the step check passed for their place: in the step's shape, the
+    token's own slot; else any slot of the step."""
+    if loc.dim() == 1 and ids.size == len(step.order):
+        return ids == np.asarray(step.order)
+    return _in_step(step, ids)
 
 
 def _in_step(step: StepIds, ids: np.ndarray) -> np.ndarray:
@@ -81,7 +99,8 @@ def _in_step(step: StepIds, ids: np.ndarray) -> np.ndarray:
 
 
 def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, layer: Callable[[], int]) -> None:
-    """Report the first id of `loc` that no token of the step writes (raises unless warn)."""
+    """Report the first id of `loc` that is not its token's own slot (the step's shape)
+    or that no token of the step writes (other shapes); raises unless warn."""
     step = guard.calls.step_ids
     if step is None or step.pool is not pool or loc is step.given or loc is step.passed or not loc.is_cpu:
         return
@@ -89,15 +108,22 @@ def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, laye
         return
     guard.counts.add("ownids", "writes")
     ids = loc.reshape(-1).numpy()
-    bad = (ids >= step.page) & (ids < high) & ~_in_step(step, ids)
+    per_token = loc.dim() == 1 and ids.size == len(step.order)
+    bad = (ids >= step.page) & (ids < high) & ~_mine(step, loc, ids)
     if not bad.any():
         step.clean[id(loc)] = loc
         return
     first = int(np.argmax(bad))
     value = int(ids[first])
     state = pool.__dict__[STATE_ATTR]
-    record = Record(int(bad.sum()), 1, site, layer(), high, int(bad.sum()), ids.size, first, value,
-                    guard.steps.number, int(Kind.NOT_STEP))
+    count = int(bad.sum())
+    if per_token:  # the token and the owner are named from the step's layout (`Steps.where`)
+        record = Record(count, 1, site, layer(), high, count, ids.size, first, value, guard.steps.number,
+                        int(Kind.OTHER_REQUEST), expected=int(step.order[first]))
+        guard.report_now(state, record)
+        return
+    record = Record(count, 1, site, layer(), high, count, ids.size, first, value, guard.steps.number,
+                    int(Kind.NOT_STEP))
     where: dict[str, Any] = {}
     seen = guard.steps.find(guard.steps.number)
     if seen is not None and seen.pool_indices is not None:

@@ -14,11 +14,17 @@ shares the target's req_to_token and is not checked twice; a forward with
 out_cache_loc_virtual (req_to_token in another id space), a batch without request
 ids (a row's new holder cannot be told apart) and a graph capture are skipped, each
 said once in the log.
+
+Its memory (`readmap.Seen`, 8 bytes per req_to_token entry: 2-4 GB for 2-4k rows at
+128k context) is made with sglang's ReqToTokenPool (`make_table_hook`), as sglang
+sizes its pools, so serving and graph capture never allocate it; its size is said in
+the log then (and by `doctor`). A table built before the guard (or before liveness was
+turned on) gets it at its first step, with a WARNING.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -30,8 +36,9 @@ from ..probes.record import Record
 from .guard import Guard
 
 READ_LABEL = "req_to_token (read check)"
-SEEN_ATTR = "_oobguard_reads"  # on a PoolState: its readmap.Seen
+SEEN_ATTR = "_oobguard_reads"  # on sglang's ReqToTokenPool: its readmap.Seen
 EXTENDS = ("extend", "mixed")  # forwards that map a request's prefix anew
+MEMORY = "8 B per req_to_token entry, made with sglang's ReqToTokenPool"  # the activation line and doctor say it
 
 
 def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> None:
@@ -54,15 +61,12 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
         if guard.first_time(f"read check skipped: {why}"):
             logger.warning("sglang_oobguard: read check skipped for %s", why)
         return
-    seen = state.__dict__.get(SEEN_ATTR)
     host = guard.on_host(table)
-    if seen is None or not seen.fits(table):
-        if seen is not None:
-            device.retain(seen)
-        seen = state.__dict__[SEEN_ATTR] = readmap.Seen(*table.shape, table.device)
-        if not host:  # compiled at the first step (sglang's warm-up forward), never while serving
-            readkernel.warm_up(seen, table, rows, batch.seq_lens, state.live, state.record.tensor,
-                               guard.steps.counter(state.device), site_id(READ_LABEL), high)
+    seen = _seen(guard, runner.req_to_token_pool, table)
+    if not host and not seen.warm:  # compiled at the first step (sglang's warm-up forward), never while serving
+        readkernel.warm_up(seen, table, rows, batch.seq_lens, state.live, state.record.tensor,
+                           guard.steps.counter(state.device), site_id(READ_LABEL), high)
+        seen.warm = True
     guard.counts.add("reads", "steps")
     rids = list(batch.rids)[:size]
     mode = getattr(getattr(batch, "forward_mode", None), "name", "").lower()
@@ -78,6 +82,49 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
                                   _written(batch, mode, lens_np))
     if finding is not None:
         _report(guard, state, finding, high)
+
+
+def make_table_hook(guard: Guard) -> Callable[..., Any]:
+    """Wrapper for ReqToTokenPool.__init__: with liveness on, the read check's memory is
+    made with the table, when sglang sizes its pools (never at a step)."""
+
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        table = getattr(instance, "req_to_token", None)
+        if guard.config.liveness and isinstance(table, torch.Tensor) and table.dim() == 2:
+            try:
+                _make(guard, instance, table)
+            except Exception as exc:  # no memory for it: the first step tries again, or the check is skipped
+                guard.internal_error(f"{type(instance).__name__}.__init__ (read check memory)", exc)
+        return result
+
+    return wrapper
+
+
+def _seen(guard: Guard, owner: Any, table: torch.Tensor) -> readmap.Seen:
+    """The table's Seen: made with its pool, else now (a table built before the guard)."""
+    seen = owner.__dict__.get(SEEN_ATTR)
+    if seen is not None and seen.fits(table):
+        return seen
+    if device.is_gpu(table) and guard.first_time("read check memory late"):
+        logger.warning("sglang_oobguard: the read check's memory (%s) is allocated at the first step, after sglang "
+                       "sized its pools (the table was built before the guard or with liveness off)",
+                       _size(table))
+    if seen is not None:
+        device.retain(seen)
+    return _make(guard, owner, table)
+
+
+def _make(guard: Guard, owner: Any, table: torch.Tensor) -> readmap.Seen:
+    seen = readmap.Seen(*table.shape, table.device)
+    guard.mark(owner, SEEN_ATTR, seen)
+    logger.info("sglang_oobguard: read check memory: %s on %s (req_to_token %d x %d: two int32 per entry), made with "
+                "sglang's %s", _size(table), table.device, *table.shape, type(owner).__name__)
+    return seen
+
+
+def _size(table: torch.Tensor) -> str:
+    return f"{readmap.Seen.bytes_for(*table.shape) / 2**20:.1f} MiB"
 
 
 def _written(batch: Any, mode: str, lens: np.ndarray) -> Optional[np.ndarray]:

@@ -23,7 +23,8 @@ at its last step (`checked`, reset when the row holds another request): its slot
 then only required to be live. Radix-shared prefixes are read by many rows at once,
 each with its own copy of the generation: they raise nothing.
 
-On a GPU the same contract is one launch (`readkernel`), with `Seen` in device memory.
+On a GPU the same contract is one launch (`readkernel`, one program per batch row), with `Seen`
+in device memory.
 """
 
 from __future__ import annotations
@@ -33,21 +34,33 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from .kernels import SCRATCH_INIT
 from .record import Kind
 from .shadow import GEN, Live
 
 
 class Seen:
     """What the read check remembers per (req_to_token row, position): tensors on the
-    table's device (the host path reads them through numpy views), made at the first
-    step and never reallocated while the table keeps its shape."""
+    table's device (the host path reads them through numpy views), made with sglang's
+    ReqToTokenPool (`checks.reads.make_table_hook`: when sglang sizes its pools, never
+    while serving or capturing) and never reallocated while the table keeps its shape."""
 
     def __init__(self, rows: int, cols: int, where: torch.device = torch.device("cpu")) -> None:
         # int32, as req_to_token: a slot id fits; a generation is kept modulo 2^32 (only compared for equality)
         self.slot = torch.full((rows, cols), -1, dtype=torch.int32, device=where)  # the slot read there last
         self.gen = torch.zeros((rows, cols), dtype=torch.int32, device=where)  # its generation when first read there
         self.checked = torch.zeros(rows, dtype=torch.int64, device=where)  # positions the row's request has read
+        # the read kernel's: each batch row's first bad read (kind, slot, generation, owner), and its programs'
+        # running sums (kernels.SCRATCH_INIT: bad reads, least row * ncols + position, arrivals; then reads)
+        self.found = torch.zeros((rows, 4), dtype=torch.int64, device=where)
+        self.scratch = torch.tensor((*SCRATCH_INIT, 0), dtype=torch.int64, device=where)
         self.holder: list[object] = [None] * rows  # the request (rid) the row was checked for
+        self.warm = False  # the read kernel compiled for this table (device path)
+
+    @staticmethod
+    def bytes_for(rows: int, cols: int) -> int:
+        """Device bytes of a Seen for a req_to_token of rows x cols: 8 per entry, 40 per row."""
+        return rows * cols * 8 + rows * 40 + 8 * (len(SCRATCH_INIT) + 1)
 
     def fits(self, table: torch.Tensor) -> bool:
         return tuple(self.slot.shape) == tuple(table.shape) and self.slot.device == table.device
