@@ -117,6 +117,17 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mellum(tmp_path_factory):
+    """A tiny sliding-window model (SWAKVPool, SWATokenToKVPoolAllocator)."""
+    from helpers import needs
+
+    needs("SWATokenToKVPoolAllocator")
+    from e2e.tiny_model import build_tiny_mellum
+
+    return build_tiny_mellum(tmp_path_factory.mktemp("tiny-mellum"))
+
+
+@pytest.fixture(scope="session")
 def clean(model):
     """Guard off, no fault, 4 concurrent prompts: the reference tokens."""
     from e2e.harness import reference_tokens

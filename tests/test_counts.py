@@ -47,8 +47,9 @@ def test_writes_frees_hand_outs_and_reports_are_counted_per_check(mp, guard):
 
 ENGINE_LIKE = GUARDED_WRITE + """
 from sglang.srt.managers import scheduler
-from sglang_oobguard.activate.instrument import idle_method
-owner, method = idle_method(scheduler)
+from sglang_oobguard.model.discover import defining
+from sglang_oobguard.model.targets import IDLE_HOOK
+owner, method = defining(scheduler.Scheduler, IDLE_HOOK.methods)
 owner.__dict__[method]._self_wrapper(lambda: None, None, (), dict())  # the installed hook, over an idle that does nothing
 print("IDLE", owner.__name__, method)
 import os

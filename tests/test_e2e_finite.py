@@ -20,13 +20,6 @@ INJECTED = re.compile(r"oobguard_faultinject: step 3 token 1 of 4: K at layer 1 
                       r"\(pid \d+; mode decode rid (\w+) token (\d+)\)")
 
 
-def test_a_clean_run_with_the_value_check_reports_nothing_and_changes_no_token(model, clean):
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **FINITE})
-    assert run.returncode == 0 and run.result["outputs"] == clean, run.log[-3000:]
-    assert re.search(r"sglang_oobguard active \(pid \d+\): mode=strict, .* finite=on", run.log), run.log[-3000:]
-    assert "not finite" not in run.log and "KVOutOfBoundsError" not in run.log and not run.leftovers
-
-
 def test_a_nan_k_at_one_layer_is_reported_at_that_layer_naming_request_and_token_and_warn_serves_all(model, clean,
                                                                                                    tmp_path):
     run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "3600", **FINITE,

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from e2e.harness import assert_radix_reused, reference_tokens, run_engine
+from e2e.harness import reference_tokens, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -83,84 +83,6 @@ def test_twin_without_liveness_is_not_seen_by_the_write_map(model, three_clean):
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     assert run.result["outputs"][1] != three_clean[1]  # request 1's first token's KV was overwritten
     assert not run.leftovers
-
-
-def test_radix_shared_prefixes_chunks_and_eviction_raise_nothing_with_the_owner_check(model, radix_clean):
-    """44 requests on 4 shared prefixes (read by many, written once), 32-token chunks,
-    slots evicted and handed out again: strict, liveness on: no report, the unguarded tokens."""
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload="radix", count=True)
-    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert run.result["outputs"] == radix_clean
-    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
-    assert "write map not checked" not in run.log  # extend, mixed and decode all mapped
-    assert "read check skipped" not in run.log and "internal error" not in run.log  # every step's reads checked
-    assert_radix_reused(run)
-    tally = run.tally(rank=0)
-    assert tally["probes"] >= tally["steps"] > 0, tally  # the step check ran every forward
-    assert not run.leftovers
-
-
-RETRACTED = re.compile(r"(?:KV cache pool is full\. Retract requests\.|Testing retraction\.) #retracted_reqs: (\d+)")
-
-
-def test_retraction_raises_nothing(model):
-    """sglang's own retraction test mode (SGLANG_TEST_RETRACT: retract_decode every 3rd
-    forward, the scheduler's real path: the requests' slots freed or kept in the radix
-    tree, their rows handed back, then prefilled again): strict + liveness, the radix
-    workload: nothing reported, and the tokens of the same run unguarded."""
-    retract = {"SGLANG_TEST_RETRACT": "1"}
-    reference = run_engine(model, retract, workload="radix")
-    assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE, **retract}, workload="radix")
-    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert sum(int(n) for n in RETRACTED.findall(run.log)) > 0, run.log[-3000:]  # it did retract
-    assert run.result["outputs"] == reference.result["outputs"]
-    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
-    assert "read check skipped" not in run.log and "internal error" not in run.log
-    assert not run.leftovers
-
-
-@pytest.mark.parametrize("workload,options", [("mixed", ()), ("batch", ("eagle",)), ("batch", ("ngram",))],
-                         ids=["mixed-chunks", "eagle", "ngram"])
-def test_every_forward_mode_of_these_runs_is_mapped_and_clean(model, clean, workload, options):
-    """Mixed chunked prefill (MIXED), EAGLE (target EXTEND, draft EXTEND and DECODE steps,
-    TARGET_VERIFY, DRAFT_EXTEND_V2) and NGRAM (TARGET_VERIFY): strict + liveness, no
-    forward skipped by the write map, nothing reported, the tokens of the same run unguarded."""
-    # the same run unguarded: NGRAM's verify flips a near tie of this tiny random model (request 3, token 12)
-    # against the plain run, guard or not
-    reference = clean if workload == "batch" and options == ("eagle",) else reference_tokens(model, workload, options)
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload=workload, options=options)
-    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert run.result["outputs"] == reference
-    assert "write map not checked" not in run.log, [l for l in run.log.splitlines() if "write map" in l]
-    assert "read check skipped" not in run.log and "internal error" not in run.log  # every target step's reads
-    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
-    if options:
-        assert run.result["spec_verify_ct"] > 0
-    else:
-        assert re.search(r"Prefill batch[^\n]*#running-req: [1-9]", run.log), run.log[-3000:]  # mixed with decodes
-    assert not run.leftovers
-
-
-def test_a_full_pool_retracts_and_raises_nothing(model):
-    """A real retraction: 44 requests admitted aggressively (schedule_conservativeness
-    0.01) into a pool of 384 slots: decode runs out of room, sglang retracts requests
-    (frees their slots, hands their rows back) and prefills them again later. Strict +
-    liveness: nothing reported, the tokens of the same run unguarded."""
-    reference = run_engine(model, {}, workload="retract")
-    assert reference.returncode == 0 and reference.result and "outputs" in reference.result, reference.log[-3000:]
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload="retract")
-    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
-    assert not run.leftovers
-    full = "KV cache pool is full. Retract requests."
-    if full not in run.log or sum(map(int, RETRACTED.findall(run.log))) == 0:
-        # sglang's admission depends on when the requests arrive: a busy machine can admit them
-        # slowly enough that nothing runs out (seen in a CI run beside another job).
-        # test_retraction_raises_nothing retracts deterministically.
-        pytest.skip("sglang did not retract in this run (its admission is timing-dependent)")
-    if full in reference.log:  # the same kind of schedule unguarded: the same tokens
-        assert run.result["outputs"] == reference.result["outputs"]
 
 
 EVICTED = re.compile(r"oobguard_faultinject: step 3 token 0: evicted \[([\d, ]+)\] of request (\w+) \(pid \d+\)")

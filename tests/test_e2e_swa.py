@@ -16,8 +16,7 @@ import re
 
 import pytest
 
-from e2e.harness import run_engine
-from helpers import needs
+from e2e.harness import reference_run, run_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -29,38 +28,16 @@ TIMEOUT = 240  # the harness kills the whole engine after this: a test never inh
 
 
 @pytest.fixture(scope="module")
-def mellum(tmp_path_factory):
-    needs("SWATokenToKVPoolAllocator")
-    from e2e.tiny_model import build_tiny_mellum
-
-    return build_tiny_mellum(tmp_path_factory.mktemp("tiny-mellum"))
-
-
-@pytest.fixture(scope="module")
 def swa_clean(mellum):
-    """Guard off: the reference tokens, per page size."""
-    outputs = {}
-    for page in (1, 4):
-        run = run_engine(mellum, READS, workload="swa", options=(f"page={page}",), timeout=TIMEOUT)
-        assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-        assert "SWAKVPool mem usage" in run.log and len(run.result["outputs"]) == 44
-        assert "sglang_oobguard active" not in run.log  # the guard-off control the guarded runs compare with
-        outputs[page] = run.result["outputs"]
-    return outputs
+    """Guard off at page size 4: the reference tokens (the clean matrix's run, tests/test_e2e_clean.py)."""
+    run = reference_run(mellum, "swa", ("page=4",), READS)
+    assert "SWAKVPool mem usage" in run.log and len(run.result["outputs"]) == 44
+    return run.result["outputs"]
 
 
 def sglang_lines(run) -> list[str]:
     return [line for line in run.log.splitlines() if "sglang_oobguard: " in line and "not tracked" not in line
             and "not guarded" not in line]
-
-
-@pytest.mark.parametrize("page", [1, 4])
-def test_clean_swa_serving_strict_with_liveness_reports_nothing_and_keeps_the_tokens(mellum, swa_clean, page):
-    run = run_engine(mellum, STRICT, workload="swa", options=(f"page={page}",), timeout=TIMEOUT)
-    assert run.returncode == 0 and run.result["outputs"] == swa_clean[page], run.log[-3000:]
-    assert "liveness=on (tracks token, paged, SWA (both id spaces)" in run.log
-    assert "retract" in run.log.lower()  # the small pool made sglang retract, and evict SWA from the tree
-    assert "KVOutOfBoundsError" not in run.log and "is not allocated" not in run.log and not run.leftovers
 
 
 HELD = r"slot (\d+) is held by request (\w+) token \d+"  # a claim's holder
@@ -125,7 +102,7 @@ def test_warn_mode_reports_each_swa_fault_with_both_requests_and_keeps_the_other
                      rf"slot \(its full slot maps to \d+\); slot {crossed} is held by request {owner} token \d+"
                      rf"( \(\d+ of \d+ ids bad\))? \(pool SWAKVPool\.swa_kv_pool \(SWA ids\) at SWAKVPool's door\); "
                      rf"step \d+ \(decode, batch \d+\); request {writer} token \d+", door), lines
-    changed = [i for i, (got, want) in enumerate(zip(run.result["outputs"], swa_clean[4])) if got != want]
+    changed = [i for i, (got, want) in enumerate(zip(run.result["outputs"], swa_clean)) if got != want]
     # the page handed out (holder, receiver), the page freed twice (its holder, whoever got the page meanwhile);
     # the crossed write is contained (sent to padding slot 0): only its writer's token is lost
     assert len(changed) <= 5, changed

@@ -22,7 +22,14 @@ def report(folder, *extra: str) -> subprocess.CompletedProcess:
 
 
 def records(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The file's activation and violation records (its counts records: tests/test_counts.py)."""
+    return [record for record in map(json.loads, path.read_text().splitlines()) if record["kind"] != "counts"]
+
+
+def final_counts(path) -> dict:
+    """The counts record a process files at exit (an os._exit files none)."""
+    last = json.loads(path.read_text().splitlines()[-1])
+    return last["counts"] if last["kind"] == "counts" and last["final"] else {}
 
 
 def guarded(folder, mode: str, ids: list[int], then: str = "") -> subprocess.CompletedProcess:
@@ -66,6 +73,8 @@ def test_every_process_files_its_activation_and_each_violation(tmp_path):
         assert path.name == f"oobguard-{host}-{head['pid']}.jsonl"
         assert head["guarded"] == len(head["methods"]) > 0 and "MHATokenToKVPool.set_kv_buffer" in head["methods"]
         assert head["role"] is None and head["ranks"] == {}  # not one of sglang's own processes
+        assert head["checks"] == ["bounds", "map", "ownids"]  # on, in the activation record
+        assert final_counts(path).get("bounds", {}).get("writes", 0) >= (0 if head["pid"] == child else 1)
         by_mode.setdefault(head["mode"], []).append(lines)
     assert sorted(by_mode) == ["raise", "strict", "warn"] and len(by_mode["warn"]) == 2
     assert len(by_mode["raise"][0]) == 1  # activation only
@@ -131,7 +140,7 @@ def test_an_unreadable_line_is_named_and_the_rest_still_counts(tmp_path):
     with path.open("a") as f:
         f.write('{"kind": "violation", "violation": {"label"\n')  # a torn line, from whatever wrote it
     out = report(tmp_path)
-    assert out.returncode == 1 and f"unreadable: {path.name}:3: not a report record" in out.stdout
+    assert out.returncode == 1 and f"unreadable: {path.name}:4: not a report record" in out.stdout  # after the counts
     assert "set_kv_buffer (MHA) | MHATokenToKVPool | layer 1: 1 report in 1 process" in out.stdout
 
 

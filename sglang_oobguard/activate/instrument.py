@@ -23,17 +23,18 @@ from typing import Any, Callable, Optional, Union
 import wrapt
 
 from ..checks import flush, reads
+from . import activation
 from ..checks.guard import Guard, checks_on
 from ..checks.stepcheck import make_forward_hook
 from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 from ..model import config as config_mod
-from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, discover,
+from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, defining, discover,
                               pool_classes, resolve, write_methods)
-from ..model.swatargets import FAMILIES_SHORT, SWA_ALLOCATOR_MODULE
+from ..model.swatargets import SWA_ALLOCATOR_MODULE
 from ..model.log import ensure_visible, logger
-from ..model.targets import (FUSED_WRITERS, IDLE_HOOK, STEP_HOOK, UNMAPPED, UPSTREAM_PROBE, is_supported, module_file,
-                             version_of_sglang, write_map_off)
+from ..model.targets import (FUSED_WRITERS, IDLE_HOOK, STEP_HOOK, UPSTREAM_PROBE, is_supported, module_file,
+                             version_of_sglang)
 from ..model.violation import Violation
 from ..report.files import open_report
 from ..report.owntime import OwnTime
@@ -139,7 +140,7 @@ class Instrumentor:
         self.patches.wrap(owner, STEP_HOOK.method, make_forward_hook(self.guard, STEP_HOOK.pool_attr), "step")
 
     def _hook_idle(self, module: ModuleType) -> None:
-        owner, method = idle_method(module)
+        owner, method = defining(getattr(module, IDLE_HOOK.owner, None), IDLE_HOOK.methods)
         if owner is None:
             logger.warning("sglang_oobguard: no %s.%s.(%s): counts are filed by the idle thread and at exit only",
                            IDLE_HOOK.module, IDLE_HOOK.owner, " or ".join(IDLE_HOOK.methods))
@@ -222,16 +223,6 @@ def _hooked_modules() -> list[str]:
             *(module for writer in FUSED_WRITERS for module in writer.modules)]
 
 
-def idle_method(module: ModuleType) -> tuple[Optional[type], str]:
-    """(the class that defines the scheduler's idle method, its name), or (None, "")."""
-    scheduler = getattr(module, IDLE_HOOK.owner, None)
-    for method in IDLE_HOOK.methods:
-        for owner in getattr(scheduler, "__mro__", ()):
-            if method in owner.__dict__:
-                return owner, method
-    return None, ""
-
-
 def _when_imported(module: str) -> None:
     """Patch `module` for the active instrumentor: now if it is imported, else when it
     is. One hook per module for the process, which reaches whichever instrumentor is
@@ -300,14 +291,7 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     flush.watch(_active.guard)  # reports reach the folder when the server idles and at exit
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.patches.entries if isinstance(entry, Found)]
-    logger.info("sglang_oobguard active (pid %d): mode=%s, backend=%s (%s), %d guarded methods (of the pool classes "
-                "defined so far), sglang %s, liveness=%s (owner check %s), finite=%s, %s, %s; checks on: %s", os.getpid(),
-                config.mode.value, config.backend.value, config_mod.BACKEND_PATHS[config.backend], len(guarded),
-                version, f"on (tracks {FAMILIES_SHORT}; read check memory {reads.MEMORY})" if config.liveness else "off", "on" if config.liveness else "off",
-                "on" if config.finite else "off",
-                f"write map off ({write_map_off()})" if write_map_off() else
-                f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})", kvhooks.releases(),
-                ", ".join(checks_on(config)))
+    logger.info("%s", activation.line(config, len(guarded), version))
     absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,

@@ -215,3 +215,13 @@ def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
                     methods[owner, name] = AllocatorMethod(owner, name, original, role)
     known = TRACKED_ALLOCATORS + SWA_CHECKED + SWA_NAMED_ONLY
     return list(methods.values()), [cls.__name__ for cls in classes if cls.__name__ not in known]
+
+
+def defining(cls: Optional[type], methods: tuple[str, ...]) -> tuple[Optional[type], str]:
+    """(the class in `cls`'s bases that defines the first of `methods` it has, that name),
+    or (None, "")."""
+    for method in methods:
+        for owner in getattr(cls, "__mro__", ()):
+            if method in owner.__dict__:
+                return owner, method
+    return None, ""

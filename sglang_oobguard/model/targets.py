@@ -207,12 +207,11 @@ STEP_HOOK = StepHook("sglang.srt.model_executor.model_runner", "ModelRunner", "f
 
 @dataclass(frozen=True)
 class IdleHook:
-    """Where sglang's scheduler goes idle (its own idle checks run there): the guard files
-    what each check did, since a server's schedulers are killed, never exited."""
-
+    """Where sglang's scheduler idles: the first of `methods` (newest release first) its owner
+    has through its bases. The guard files its counts there: schedulers are killed, never exited."""
     module: str
     owner: str
-    methods: tuple[str, ...]  # the first the owner has (through its bases), newest release first
+    methods: tuple[str, ...]
 
 
 IDLE_HOOK = IdleHook("sglang.srt.managers.scheduler", "Scheduler", ("on_idle", "self_check_during_idle"))

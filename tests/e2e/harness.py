@@ -24,6 +24,7 @@ from helpers import GUARD_VARS
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE.parent / "standins"
 RADIX_POOL = 384  # the radix workload's max_total_tokens (engine_run.py)
+RETRACTED = re.compile(r"(?:KV cache pool is full\. Retract requests\.|Testing retraction\.) #retracted_reqs: (\d+)")
 PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "OOBGUARD_TRANSFER", "OOBGUARD_HICACHE_SHIM",
            "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "OOBGUARD_PD_SHIM", "TRITON_INTERPRET", "SGLANG_PLUGINS")
@@ -179,12 +180,24 @@ class Served:
         return Run(self.proc.returncode, result, self.log, leftovers)
 
 
+_REFERENCES: dict[tuple, Run] = {}
+
+
+def reference_run(model: Path, workload: str, options: tuple[str, ...] = (), env: Optional[dict] = None) -> Run:
+    """Guard off, no fault: the run a guarded one must reproduce; made once per test session
+    and configuration (the clean matrix and the fault tests share it)."""
+    key = (str(model), workload, tuple(options), tuple(sorted((env or {}).items())))
+    if key not in _REFERENCES:
+        run = run_engine(model, dict(env or {}), workload=workload, options=options, timeout=300)
+        assert run.returncode == 0 and run.result and not run.result.get("error"), run.log[-3000:]
+        assert not run.leftovers
+        _REFERENCES[key] = run
+    return _REFERENCES[key]
+
+
 def reference_tokens(model: Path, workload: str, options: tuple[str, ...] = ()) -> list[list[int]]:
     """Guard off, no fault: the tokens a guarded run must reproduce."""
-    run = run_engine(model, {}, workload=workload, options=options)
-    assert run.returncode == 0 and run.result and "outputs" in run.result, run.log[-3000:]
-    assert not run.leftovers
-    return run.result["outputs"]
+    return reference_run(model, workload, options).result["outputs"]
 
 
 def free_port() -> int:
