@@ -48,12 +48,14 @@ def reported(run) -> list[str]:
 
 
 def test_decode_with_the_fake_backend_is_clean_and_unchanged_under_strict_liveness(model):
+    """The success path: every transfer polls Success, which ends it on a backend with no drain signal too."""
     reference = run_engine(model, {}, workload="decode")
     assert reference.returncode == 0 and reference.result["by_rid"], reference.log[-3000:]
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", **LIVE}, workload="decode")
+    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_FINITE": "1", **LIVE},
+                     workload="decode")
     assert run.returncode == 0 and not run.result["errors"], run.log[-3000:]
-    assert "sglang_oobguard active" in run.log and "KVOutOfBoundsError" not in run.log
-    assert run.result["by_rid"] == reference.result["by_rid"]
+    assert "sglang_oobguard active" in run.log and "finite=on" in run.log and "KVOutOfBoundsError" not in run.log
+    assert "freed while" not in run.log and run.result["by_rid"] == reference.result["by_rid"]
     assert sorted(run.result["by_rid"]) == ["d0", "d1", "d2", "d3"] and not run.leftovers
 
 
