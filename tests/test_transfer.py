@@ -17,7 +17,7 @@ import pytest
 import sglang_oobguard
 from helpers import DecodeSide, has, mha, needs, token_allocator
 from sglang_oobguard import KVOutOfBoundsError
-from sglang_oobguard.checks import transfer
+from sglang_oobguard.checks import inflight, transfer
 
 TOKENS = 8  # the request's prompt: 8 tokens, page size 1
 
@@ -100,7 +100,7 @@ def test_a_free_in_flight_is_reported_until_success(side):
     s.alloc.free(slots)  # the write ended: a free like any other
 
 
-def test_failed_ends_a_transfer_only_where_no_drain_signal_is_armed(side, monkeypatch):
+def test_failed_ends_a_transfer_once_its_armed_drain_signal_says_so(side, monkeypatch):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     s = side("strict")
@@ -111,15 +111,67 @@ def test_failed_ends_a_transfer_only_where_no_drain_signal_is_armed(side, monkey
     monkeypatch.setattr(type(s.manager), "is_abort_release_safe", lambda self, room, acks: bool(drained), raising=False)
     req.kv_receiver.abort()
     poll(s, req, KVPoll.Failed)
-    with pytest.raises(KVOutOfBoundsError):  # aborted, Failed, but the backend has not drained
+    with pytest.raises(KVOutOfBoundsError) as info:  # aborted, Failed, but the backend has not drained
         s.alloc.free(slots)
+    assert "is in flight (request r0" in str(info.value.violation) and not info.value.violation.no_drain
     drained.append(True)
     s.alloc.free(slots)
-    other, theirs = s.request("r1", 1, 8)
-    s.send(other, theirs)
-    monkeypatch.setattr(type(s.manager), "enable_deferred_decode_kv_release", False)  # no drain signal armed
-    poll(s, other, KVPoll.Failed)
-    s.alloc.free(theirs)
+
+
+def abort_without_drain_signal(s, rid: str, row: int, room: int):
+    """A request sent, then aborted: the fake backend's receiver (no drain signal) polls Failed."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    req, slots = s.request(rid, row, room)
+    s.send(req, slots)
+    assert inflight.drain_signal(req.kv_receiver) is None  # the real fake backend cannot say its writes drained
+    req.kv_receiver.abort()
+    poll(s, req, KVPoll.Failed)
+    return req, slots
+
+
+@pytest.mark.parametrize("armed_off", [False, True], ids=["fake backend", "deferred release off"])
+def test_a_failed_transfer_with_no_drain_signal_stays_in_flight(side, monkeypatch, armed_off):
+    """Failed is not 'ended' where the backend cannot say the writes drained (#23020)."""
+    s = side("strict")
+    if armed_off:  # a backend with the signal, but sglang's deferred release switched off: not armed
+        monkeypatch.setattr(type(s.manager), "is_abort_release_safe", lambda self, room, acks: True, raising=False)
+    req, slots = abort_without_drain_signal(s, "r0", 0, 7)
+    with pytest.raises(KVOutOfBoundsError) as info:
+        s.alloc.free(slots)
+    violation = info.value.violation
+    assert (violation.kind, violation.request, violation.room, violation.no_drain) == ("in_flight", "r0", 7, True)
+    assert "freed while a KV transfer into it may still be in flight (no drain signal) (request r0, " \
+        "bootstrap room 7" in str(violation)
+    assert violation.as_dict()["no_drain"] is True
+
+
+def test_warn_holds_a_failed_transfers_pages_with_no_drain_signal_for_sglangs_release_timeout(side, monkeypatch,
+                                                                                             caplog):
+    """Not handed out during the hold; given back after sglang's deferred-release timeout, logged."""
+    import logging
+    import time
+
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "0.3")
+    s = side("warn")
+    req, slots = abort_without_drain_signal(s, "r0", 0, 7)
+    before = s.alloc.available_size()
+    s.alloc.free(slots)
+    assert s.alloc.available_size() == before  # held: not on the free list
+    (violation,) = sglang_oobguard.violations()
+    assert violation.no_drain and "may still be in flight (no drain signal)" in str(violation)
+    guard = sglang_oobguard.activate.instrument._active.guard
+    everything = s.alloc.alloc(before)  # all the allocator has: none of the held pages
+    assert not set(everything.tolist()) & set(slots.tolist()) and guard.transfers.holding()
+    s.alloc.free(everything)
+    guard.transfers.settle()  # as sglang's resolve_deferred_releases runs it: the timeout has not passed
+    assert guard.transfers.holding()
+    time.sleep(0.35)
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        guard.transfers.settle()
+    assert not guard.transfers.holding() and s.alloc.available_size() == before + TOKENS
+    assert "the backend has no drain signal for the KV transfer of request r0 (bootstrap room 7) after 0 s: " \
+        f"the {TOKENS} pages held back go to the free list now" in caplog.text
 
 
 def test_warn_holds_in_flight_pages_back_and_gives_them_back_when_the_transfer_ends(side):

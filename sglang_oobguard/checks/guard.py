@@ -27,7 +27,7 @@ from ..report.reporter import Reporter
 from .calls import CallState, PerThread
 from .steps import Steps
 from .hiloads import Loads
-from .transfer import Transfers
+from .inflight import Transfers
 
 STEP_LABEL = "out_cache_loc (forward step)"  # the step check's site
 

@@ -5,25 +5,18 @@ prefill side, whose transfer engine (mooncake, nixl, mori) writes KV into them b
 RDMA: no pool method and no out_cache_loc ever sees that write, only the ids. So
 (with liveness on) the ids are checked where sglang sends them
 (`DecodePreallocQueue._send_kv_metadata`): inside the page space, live, and the
-request's own (its req_to_token row). From then on the pages are in flight until
-the transfer has really ended: a Success poll; or, after a failure or an abort, the
-backend's drain signal (`kv_mgr.is_abort_release_safe`, armed by sglang's deferred
-release). Neither a Failed poll after an abort nor sglang's release-anyway timeout
-is the end: the prefill side may still be writing. A backend with no armed drain
-signal (the fake one, or the deferred release switched off) ends at Failed.
+request's own (its req_to_token row). From then on the pages are in flight until the
+transfer has really ended (`inflight`: a Success poll, or after a failure the
+backend's drain signal; with no drain signal a failed transfer stays in flight).
 
 A free of an in-flight page (the tracked allocators' frees, on the host) is a
 violation. Warn mode holds such pages back from the free list until the transfer
-ends, then frees them through the allocator as sglang asked; while it holds any,
-`has_pending_deferred_releases` says so, as sglang's own deferred release does, so
-the idle leak check waits and the loop keeps resolving. A hold whose drain signal
-never comes is given back after sglang's own deferred-release timeout, logged.
+ends (`inflight.Transfers.settle`); while it holds any, `has_pending_deferred_releases`
+says so, as sglang's own deferred release does, so the idle leak check waits and the
+loop keeps resolving.
 """
-
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import time
 from typing import Any, Callable, Optional
 
@@ -32,11 +25,11 @@ import torch
 
 from ..model.config import Mode
 from ..model.log import logger
-from ..model.transfertargets import DRAIN_ARMED, DRAIN_SIGNAL
 from ..model.violation import Kind, site_id
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
 from ..report.reporter import KVOutOfBoundsError
+from .inflight import Transfer
 
 Guard = Any  # the active checks.guard.Guard (which holds the Transfers: not imported back)
 
@@ -45,126 +38,13 @@ SOURCE_LABEL = "send (PD prefill KV source pages)"
 # What each hook of TRANSFER_HOOKS does (doctor's words).
 HOOK_ROLES = {
     "send": "the destination pages: in the page space, live, the request's own row; in flight from here",
-    "poll": "Success ends a transfer; Failed ends it once the backend's drain signal says so",
+    "poll": "Success ends a transfer; Failed ends it once the backend's drain signal says so (none: never)",
     "resolve": "warn mode gives back the pages it held once their transfer ended",
     "pending": "warn mode's held pages count as a deferred release (sglang's idle leak check waits)",
     "prefill": "the source pages each KV sender's send gets: in the page space, live, the request's own row",
 }
-NO_DRAIN = ("the fake backend (and any with the deferred release off) gives no drain signal: "
-            "Failed ends its transfers")
-
-
-@dataclasses.dataclass(eq=False)
-class Transfer:
-    """One request's KV transfer into decode pages, from its send on."""
-
-    state: PoolState  # the destination pool's (its shadow's page space)
-    pages: np.ndarray  # page ids, int64
-    rid: str
-    room: Optional[int]
-    step: int  # the forward step number when it was sent
-    receiver: Any  # sglang's KVReceiver: its manager gives the drain signal
-    request: Any  # the DecodeRequest (kept while in flight, for its id)
-    failed: bool = False
-    succeeded: bool = False
-    held: list = dataclasses.field(default_factory=list)  # warn mode: (the allocator's free, ids) held back
-    held_since: float = 0.0
-    key: int = 0  # its number in Transfers
-
-    def ended(self) -> bool:
-        """Succeeded; or failed, and drained where the backend can say so (as sglang asks it)."""
-        if self.succeeded:
-            return True
-        if not self.failed:
-            return False
-        manager = getattr(self.receiver, "kv_mgr", None)
-        drained = getattr(manager, DRAIN_SIGNAL, None)
-        if drained is None or not getattr(manager, DRAIN_ARMED, False):
-            return True
-        acks = len(getattr(self.receiver, "bootstrap_infos", None) or ()) \
-            if getattr(self.receiver, "abort_notified", False) else 0
-        return bool(drained(self.room, acks))
-
-
-def _hold_limit_s() -> float:
-    """sglang's own deferred-release timeout: a hold never outlasts what sglang would wait."""
-    try:
-        from sglang.srt.environ import envs
-
-        return float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
-    except Exception:
-        return 30.0
-
-
-class Transfers:
-    """The guard's transfers in flight: by request, and per pool a table from page to transfer."""
-
-    def __init__(self) -> None:
-        self.by_request: dict[int, Transfer] = {}
-        self.by_key: dict[int, Transfer] = {}
-        self.tables: dict[int, np.ndarray] = {}  # pool serial -> per page (then a sink): its transfer's key, 0: none
-        self._keys = itertools.count(1)
-        self.sending: Optional[tuple[Any, Any]] = None  # prefill: (scheduler, req) inside _send_kv_chunk
-
-    def add(self, transfer: Transfer) -> None:
-        self.drop(self.by_request.get(id(transfer.request)))
-        transfer.key = next(self._keys)
-        self.by_request[id(transfer.request)] = self.by_key[transfer.key] = transfer
-        assert transfer.state.live is not None
-        table = self.tables.get(transfer.state.serial)
-        if table is None or table.size != transfer.state.live.pages + 1:
-            table = self.tables[transfer.state.serial] = np.zeros(transfer.state.live.pages + 1, dtype=np.int64)
-            for other in self.by_key.values():
-                if other.state is transfer.state:
-                    table[other.pages] = other.key
-        table[transfer.pages] = transfer.key
-
-    def drop(self, transfer: Optional[Transfer]) -> None:
-        if transfer is None or self.by_key.pop(transfer.key, None) is None:
-            return
-        if self.by_request.get(id(transfer.request)) is transfer:
-            del self.by_request[id(transfer.request)]
-        table = self.tables.get(transfer.state.serial)
-        if table is not None:
-            pages = transfer.pages[table[transfer.pages] == transfer.key]
-            table[pages] = 0
-
-    def in_flight(self, state: PoolState, pages: np.ndarray) -> np.ndarray:
-        """Per page: the key of the transfer in flight into it, 0 for none."""
-        table = self.tables[state.serial]
-        return table[np.where((pages >= 0) & (pages < table.size - 1), pages, table.size - 1)]
-
-    def forget(self, state: PoolState) -> None:
-        """The allocator's clear: every page went back, held ones too."""
-        for transfer in list(self.by_key.values()):
-            if transfer.state is state:
-                self.drop(transfer)
-
-    def holding(self) -> bool:
-        return any(transfer.held for transfer in self.by_key.values())
-
-    def settle(self) -> None:
-        """Drop the transfers that ended; give back what warn mode held of them."""
-        limit = None
-        for transfer in list(self.by_key.values()):
-            overdue = False
-            if transfer.held and not transfer.ended():
-                limit = _hold_limit_s() if limit is None else limit
-                overdue = time.monotonic() - transfer.held_since >= limit
-                if not overdue:
-                    continue
-                logger.warning("sglang_oobguard: no drain signal for the KV transfer of request %s (bootstrap room "
-                               "%s) after %.0f s: the %d pages held back go to the free list now", transfer.rid,
-                               transfer.room, limit, len(transfer.pages))
-            elif not transfer.ended():
-                continue
-            elif transfer.held:
-                logger.info("sglang_oobguard: the KV transfer of request %s (bootstrap room %s) ended: the %d pages "
-                            "held back go to the free list", transfer.rid, transfer.room, len(transfer.pages))
-            self.drop(transfer)
-            for free, ids in transfer.held:
-                free(ids)
-            transfer.held.clear()
+NO_DRAIN = ("the fake backend (and any with the deferred release off) gives no drain signal: a failed "
+            "transfer stays in flight, its free reported as 'may still be in flight (no drain signal)'")
 
 
 # -- the hooks on sglang's decode queues ---------------------------------------------
@@ -284,7 +164,7 @@ def on_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pag
     count = int(np.unique(pages[hit]).size)
     guard.report_now(state, Record(count, 1, site, -1, state.live.pages, count, int(np.unique(pages).size), pos,
                                    int(pages[pos]), guard.steps.number, Kind.IN_FLIGHT),
-                     request=transfer.rid, room=transfer.room, sent_step=transfer.step)
+                     request=transfer.rid, room=transfer.room, sent_step=transfer.step, no_drain=transfer.undrained())
     return ids.reshape(-1)[torch.from_numpy(~hit)]
 
 

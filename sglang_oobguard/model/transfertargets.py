@@ -17,7 +17,7 @@ TRANSFER_HOOKS = ((_DECODE, "DecodePreallocQueue", "_send_kv_metadata", "send"),
                   (_DECODE, "DecodeTransferQueue", "has_pending_deferred_releases", "pending"),
                   (_PREFILL, "SchedulerDisaggregationPrefillMixin", "_send_kv_chunk", "prefill"))
 # The backends' drain signal after an abort or failure (CommonKVManager's), armed by sglang's
-# deferred release; without it (the fake backend, or the release off) Failed ends a transfer.
+# deferred release; without it (the fake backend, or the release off) a failed transfer stays in flight.
 DRAIN_SIGNAL, DRAIN_ARMED = "is_abort_release_safe", "enable_deferred_decode_kv_release"
 # HiCache (`checks.hicache`): the host pools whose loads into and backups from device slots take
 # the device pool's own token ids (other host pools' ids are virtual or paged: not checked).

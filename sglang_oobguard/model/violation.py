@@ -131,6 +131,7 @@ class Violation:
     # A KV transfer into the pages (PD disaggregation): its bootstrap room and the step it was sent at.
     room: Optional[int] = None
     sent_step: int = -1
+    no_drain: bool = False  # it failed on a backend with no drain signal: its writes may still be on their way
     node: Optional[int] = None  # a HiCache load-back: the radix tree node it loads for
     # The slot's history (liveness on): its generation and its last allocation and free.
     generation: int = -1  # the serial of the allocator call that last handed it out (-1: not tracked)
@@ -204,6 +205,9 @@ class Violation:
 
     def contained(self) -> str:
         """What warn mode did about it, in words."""
+        if self.kind == "in_flight" and self.no_drain:
+            return ("free of pages a failed KV transfer may still write (held back from the free list for sglang's "
+                    "deferred-release timeout: the backend cannot say when its writes end)")
         if self.kind == "in_flight":
             return "free of pages a KV transfer still writes (held back from the free list until it ends)"
         if self.kind == "handed_out":
@@ -266,7 +270,8 @@ def _claims(v: Violation) -> str:
 def _what(v: Violation) -> str:
     """What was wrong, for the first bad id (the text of each kind)."""
     if v.kind == "in_flight":
-        return (f"page {v.value} freed while a KV transfer into it is in flight (request {v.request}, "
+        state = "may still be in flight (no drain signal)" if v.no_drain else "is in flight"
+        return (f"page {v.value} freed while a KV transfer into it {state} (request {v.request}, "
                 f"bootstrap room {v.room}, sent "
                 f"{f'at step {v.sent_step}' if v.sent_step >= 0 else 'before the first forward step'})"
                 + (f" ({v.bad} of {v.numel} freed pages in flight)" if v.bad > 1 else ""))

@@ -32,6 +32,16 @@ def pair_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "LD_LIBRARY_PATH": path, "MOONCAKE_PROTOCOL": "tcp", "OOBGUARD_PD_SHIM": "1"}
 
 
+HOW = ("mooncake's non-CUDA wheel links Debian's libibverbs1, libnl-3-200 and libnl-route-3-200: "
+       "`bash ci/setup-env.sh 0.5.23` unpacks them into the venv (ci/mooncake-libs.sh: apt-get download), or "
+       "`apt-get install` them, or set OOBGUARD_MOONCAKE_LIBS to a folder they are unpacked into")
+
+
+def under_ci() -> bool:
+    """Whether a CI job runs the tests (CI=true, as CI services set it): there a missing set-up fails."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
 def mooncake_missing() -> Optional[str]:
     """Why mooncake's transfer engine does not import here (its last error line), or None."""
     proc = subprocess.run([sys.executable, "-c", "from mooncake.engine import TransferEngine"],

@@ -361,14 +361,19 @@ def load() -> None:
 # The fake receiver concludes at the first poll after send_metadata; here each transfer is held at
 # Transferring for S seconds after its send (unless aborted first), as a real RDMA write would be,
 # and the fake manager gets a drain signal (`is_abort_release_safe`: the simulated write into the
-# room's pages has ended), as mooncake / nixl / mori's have. Each alloc of the tracked allocators
+# room's pages has ended), as mooncake / nixl / mori's have; `,drain=none` leaves it without one, as
+# the fake backend is (or a real one with sglang's deferred release off). Each alloc of the tracked allocators
 # is compared with the pages still being written: a page handed out again while its transfer is in
 # flight is printed ("handed out while in flight").
 _inflight: dict[int, tuple[float, set]] = {}  # bootstrap room -> (the simulated write's end, its pages)
 
 
+def _transfer() -> dict[str, str]:
+    return dict(part.split("=", 1) for part in os.environ["OOBGUARD_TRANSFER"].split(","))
+
+
 def _hold() -> float:
-    return float(dict(part.split("=", 1) for part in os.environ["OOBGUARD_TRANSFER"].split(","))["hold"])
+    return float(_transfer()["hold"])
 
 
 def _receiver_init(wrapped, instance, args, kwargs):
@@ -422,8 +427,9 @@ def _patch_fake(module) -> None:
     wrapt.wrap_function_wrapper(module, "FakeKVReceiver.__init__", _receiver_init)
     wrapt.wrap_function_wrapper(module, "FakeKVReceiver.send_metadata", _send_metadata)
     wrapt.wrap_function_wrapper(module, "FakeKVReceiver.poll", _poll)
-    module.FakeKVManager.enable_deferred_decode_kv_release = True
-    module.FakeKVManager.is_abort_release_safe = _drained
+    if _transfer().get("drain") != "none":  # drain=none: the fake backend as it is, with no drain signal
+        module.FakeKVManager.enable_deferred_decode_kv_release = True
+        module.FakeKVManager.is_abort_release_safe = _drained
 
 
 def _patch_alloc(module) -> None:
