@@ -82,6 +82,7 @@ def check_pages(guard: Guard, state: PoolState, label: str, pages: np.ndarray, o
     the request's own (`own`: its pages in order, or with `own_row` any page of its row).
     Returns which pages are inside the page space."""
     assert state.live is not None
+    guard.counts.add("pd", "transfers")
     high = state.live.pages
     flags = state.live.flags.cpu().numpy()
     inside = (pages >= 0) & (pages < high)
@@ -148,6 +149,7 @@ def on_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pag
         return None
     book.settle()
     assert state.live is not None
+    guard.counts.add("pd", "frees")
     flat = ids.reshape(-1).to(torch.int64).numpy()
     pages = flat if in_pages else flat // state.live.page
     keys = book.in_flight(state, pages)
