@@ -52,8 +52,8 @@ def test_a_write_to_a_freed_slot_names_its_free_and_its_allocation(tracked, back
     assert err.allocated_by.endswith("TokenToKVPoolAllocator.alloc")
     assert err.generation > 0
     text = str(err)
-    assert f"slot {freed} last freed at step -1 by " in text and " > finish_request (test_history.py:" in text
-    assert ", last allocated at step -1 by " in text and f"(generation {err.generation})" in text
+    assert f"slot {freed} last freed before any forward step by " in text and " > finish_request (test_history.py:" in text
+    assert ", last allocated before any forward step by " in text and f"(generation {err.generation})" in text
 
 
 def test_a_double_free_names_the_first_free(tracked):

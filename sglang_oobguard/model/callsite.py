@@ -19,7 +19,10 @@ from types import CodeType, FrameType
 from typing import Optional
 
 DEPTH = 4  # frames kept above the allocator call
-_OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"{os.sep}wrapt{os.sep}")
+# the guard's layers (not its doors: the demo's frames are a caller's) and wrapt
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OURS = (tuple(os.path.join(_PACKAGE, layer) + os.sep for layer in ("model", "report", "probes", "checks", "activate")),
+         f"{os.sep}wrapt{os.sep}")
 
 # key: (label, id(code), line, ...) -> site; the code objects are kept alive in _STACKS,
 # so an id in a key is never reused for another code object.

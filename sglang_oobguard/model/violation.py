@@ -175,9 +175,9 @@ class Violation:
         """The slot's last free and allocation, when liveness tracked them."""
         parts = []
         if self.freed_step >= 0 or self.freed_by:
-            parts.append(f"freed at step {self.freed_step} by {self.freed_by or 'an unknown call'}")
+            parts.append(f"freed {_at_step(self.freed_step)} by {self.freed_by or 'an unknown call'}")
         if self.allocated_step >= 0 or self.allocated_by:
-            parts.append(f"allocated at step {self.allocated_step} by {self.allocated_by or 'an unknown call'}")
+            parts.append(f"allocated {_at_step(self.allocated_step)} by {self.allocated_by or 'an unknown call'}")
         if not parts:
             return ""
         return f"slot {self.value} last " + ", last ".join(parts) + (
@@ -273,7 +273,7 @@ def _what(v: Violation) -> str:
         state = "may still be in flight (no drain signal)" if v.no_drain else "is in flight"
         return (f"page {v.value} freed while a KV transfer into it {state} (request {v.request}, "
                 f"bootstrap room {v.room}, sent "
-                f"{f'at step {v.sent_step}' if v.sent_step >= 0 else 'before the first forward step'})"
+                f"{_at_step(v.sent_step)})"
                 + (f" ({v.bad} of {v.numel} freed pages in flight)" if v.bad > 1 else ""))
     if v.kind == "nonfinite":
         return _nonfinite(v)
@@ -325,3 +325,8 @@ def assert_text(site: int, bound: str, liveness: bool) -> str:
         what += ", or not allocated"
     return (f"sglang_oobguard: {site_label(site)}: {what}; "
             "rerun with SGLANG_OOBGUARD_MODE=raise for the report")[:255]
+
+
+def _at_step(step: int) -> str:
+    """When a history event happened: after step N began (the last one begun), or in words."""
+    return f"at step {step}" if step >= 0 else "before any forward step"
