@@ -124,6 +124,8 @@ def _outside_pools() -> list[str]:
              "  the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live "
              "and of the generation it first read (host path on CPU tensors, one launch on a GPU); where the write "
              "map runs (" + (write_map_off() or "on here") + ")",
+             "  the owner and read checks read the shadow of the ids req_to_token holds (an SWA pool's: its full "
+             "sub-pool's); a step pool no shadow holds: both off, said once in the log (WARNING)",
              "  slot history, with liveness: each report names the slot's last free and allocation (step, call "
              "site) and generation",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]
