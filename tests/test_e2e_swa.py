@@ -56,9 +56,12 @@ def sglang_lines(run) -> list[str]:
 
 @pytest.mark.parametrize("page", [1, 4])
 def test_clean_swa_serving_strict_with_liveness_reports_nothing_and_keeps_the_tokens(mellum, swa_clean, page):
-    run = run_engine(mellum, STRICT, workload="swa", options=(f"page={page}",), timeout=TIMEOUT)
+    run = run_engine(mellum, {**STRICT, "SGLANG_OOBGUARD_FINITE": "1"}, workload="swa", options=(f"page={page}",),
+                     timeout=TIMEOUT)
     assert run.returncode == 0 and run.result["outputs"] == swa_clean[page], run.log[-3000:]
-    assert "liveness=on (tracks token, paged, SWA (both id spaces)" in run.log
+    assert "liveness=on (tracks token, paged, SWA (both id spaces)" in run.log and "finite=on" in run.log
+    # the owner and read checks ran (the full sub-pool's shadow): neither said off nor skipped
+    assert "the owner check and the read check are off" not in run.log and "read check skipped" not in run.log
     assert "retract" in run.log.lower()  # the small pool made sglang retract, and evict SWA from the tree
     assert "KVOutOfBoundsError" not in run.log and "is not allocated" not in run.log and not run.leftovers
 
@@ -130,3 +133,18 @@ def test_warn_mode_reports_each_swa_fault_with_both_requests_and_keeps_the_other
     # the crossed write is contained (sent to padding slot 0): only its writer's token is lost
     assert len(changed) <= 5, changed
     assert not run.leftovers
+
+
+def test_a_page_freed_under_its_running_reader_is_caught_by_the_read_check_on_the_full_sub_pool(mellum):
+    """The read check runs on an SWA model (the full sub-pool's shadow: req_to_token holds full
+    ids): a request's first page, freed in the full sub-allocator behind the SWA allocator with
+    no write naming it, is reported at the next step that reads it, naming the slot and reader."""
+    run = run_engine(mellum, {**STRICT, "OOBGUARD_FAULT": "site=swa,step=5,value=evict"}, workload="swa",
+                     options=("page=4",), timeout=TIMEOUT)
+    [(rid, full)] = re.findall(r"oobguard_faultinject: swa evict at decode \d+: token \d+ \(rid (\w+)\) full slot "
+                               r"(\d+), its first page freed", run.log)
+    report = re.search(r"KVOutOfBoundsError: req_to_token \(read check\): [^\n]*slot (\d+) at position \d+ is read "
+                       r"by its running request but was given back \(freed\)[^\n]*"
+                       r"\(pool SWAKVPool\.full_kv_pool \(full ids\)\)", run.log)
+    assert report and int(report[1]) // 4 == int(full) // 4, run.log[-3000:]
+    assert run.result is None and not run.leftovers
