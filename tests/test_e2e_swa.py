@@ -107,3 +107,32 @@ def test_warn_mode_reports_each_swa_fault_with_both_requests_and_keeps_the_other
     # the crossed write is contained (sent to padding slot 0): only its writer's token is lost
     assert len(changed) <= 5, changed
     assert not run.leftovers
+
+
+def test_a_page_freed_under_its_running_reader_is_caught_by_the_read_check_on_the_full_sub_pool(mellum):
+    """The read check runs on an SWA model (the full sub-pool's shadow: req_to_token holds full
+    ids): a request's first page, freed in the full sub-allocator behind the SWA allocator with
+    no write naming it, is reported at the next step that reads it, naming the slot and reader."""
+    run = run_engine(mellum, {**STRICT, "OOBGUARD_FAULT": "site=swa,step=5,value=evict"}, workload="swa",
+                     options=("page=4",), timeout=TIMEOUT)
+    [(rid, full)] = re.findall(r"oobguard_faultinject: swa evict at decode \d+: token \d+ \(rid (\w+)\) full slot "
+                               r"(\d+), its first page freed", run.log)
+    report = re.search(r"KVOutOfBoundsError: req_to_token \(read check\): [^\n]*slot (\d+) at position \d+ is read "
+                       r"by its running request but was given back \(freed\)[^\n]*"
+                       r"\(pool SWAKVPool\.full_kv_pool \(full ids\)\)", run.log)
+    assert report and int(report[1]) // 4 == int(full) // 4, run.log[-3000:]
+    assert run.result is None and not run.leftovers
+
+
+def test_pd_decode_on_an_swa_model_reports_an_in_flight_free_on_the_full_sub_pool(mellum):
+    """PD's decode side (fake backend) on the SWA model: the transfer check reads the SWA
+    allocator's full sub-allocator's shadow. The fault plugin holds each transfer 3 s; the
+    victim, aborted 0.6 s after its send, has its full pages freed while the write runs."""
+    needs("DecodePreallocQueue._send_kv_metadata")
+    run = run_engine(mellum, {**STRICT, "OOBGUARD_TRANSFER": "hold=3"}, workload="decode", options=("abort",),
+                     timeout=TIMEOUT)
+    assert re.search(r"KVOutOfBoundsError: free \(TokenToKVPoolAllocator\): page \d+ freed while a KV transfer into "
+                     r"it is in flight \(request victim, bootstrap room 100, [^\n]*\(pool SWAKVPool\.full_kv_pool "
+                     r"\(full ids\)\)", run.log), run.log[-3000:]
+    assert run.log.count("not checked: a PD transfer's SWA destination pages") >= 1  # said, not hidden
+    assert run.result is None and not run.leftovers

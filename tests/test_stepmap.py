@@ -211,3 +211,15 @@ def test_the_step_checks_view_of_req_to_token_lives_no_longer_than_its_pool(mp, 
     del run
     gc.collect()
     assert pool() is None and table() is None
+
+
+def test_a_step_pool_no_liveness_shadow_holds_says_once_that_its_owner_and_read_checks_are_off(mp, guard, runner,
+                                                                                               caplog):
+    """Liveness on, but no tracked allocator keeps this pool's shadow: said once, by name."""
+    guard("strict", liveness=True)
+    pool = mha(mp)
+    run, _ = runner(pool)
+    for n in (1, 2):
+        run.forward(decode(run, rows=(2,), seq_lens=(n,)))
+    assert caplog.text.count(f"the owner check and the read check are off for {type(pool).__name__}: no liveness "
+                             "shadow holds its ids") == 1

@@ -249,7 +249,8 @@ def test_two_tokens_of_one_write_on_one_swa_slot_are_caught_and_warn_contains_th
 def served(swa, monkeypatch):
     """A real SWAKVPool and allocator, and sglang's ModelRunner (not loaded) with the guard's
     step hook over an empty model loop: `admit` puts a real Req on a req_to_token row,
-    `step` runs one decode forward of the admitted requests (the guard learns their rids)."""
+    `step` runs one decode forward of the admitted requests, or of the rows `only` (the guard
+    learns their rids)."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -262,6 +263,7 @@ def served(swa, monkeypatch):
         monkeypatch.setattr(ModelRunner.__dict__["forward"], "__wrapped__", lambda self, batch, *a, **k: "output")
         run = ModelRunner.__new__(ModelRunner)
         run.token_to_kv_pool, run.tp_rank, run.pp_rank, run.dp_rank, run.is_draft_worker = pool, 0, 0, 0, False
+        run.token_to_kv_pool_allocator = allocator  # sglang's ModelRunner holds both
         run.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=16, device="cpu", enable_memory_saver=False)
         run.req_to_token_pool.req_to_token.zero_()
         reqs: dict[int, Req] = {}
@@ -274,8 +276,8 @@ def served(swa, monkeypatch):
                 req.kv.req_pool_idx = row
             return req, loc
 
-        def step() -> None:
-            rows = sorted(reqs)
+        def step(only: tuple = ()) -> None:
+            rows = sorted(only or reqs)
             lens = [int((run.req_to_token_pool.req_to_token[row] != 0).sum()) for row in rows]
             rpi, seq = torch.tensor(rows), torch.tensor(lens)
             batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
@@ -401,3 +403,56 @@ def test_warn_mode_contains_a_segment_freed_twice_to_its_good_pages(swa):
     free = allocator.swa_attn_allocator.free_pages.tolist()
     assert len(free) == len(set(free)) and 0 not in free
     assert not allocator.full_to_swa_index_mapping[loc].any()
+
+
+# -- the step's owner and read checks, through the full sub-pool's shadow (req_to_token holds full ids) ----
+
+
+@PAGES
+def test_the_read_check_runs_on_an_swa_model_and_names_the_reader_of_a_freed_full_slot(served, page_size):
+    """rA's first page goes back (full and SWA) while rA still reads it: the next step's
+    read check finds it in the full sub-pool's shadow."""
+    pool, allocator, run, admit, step = served("raise", page_size)
+    _, a_loc = admit(1, "rA", 2 * page_size)
+    step()
+    allocator.free(a_loc[:page_size])  # the fault: an eviction under its running request
+    info = raised(rf"^req_to_token \(read check\): .*slot {int(a_loc[0])} .*{FULL}", step)
+    v = info.violation
+    assert (v.kind, v.request, v.token, v.value) == ("read_freed", "rA", 0, int(a_loc[0]))
+
+
+@PAGES
+def test_the_owner_check_runs_on_an_swa_model_and_catches_a_twin_the_tables_agree_on(served, page_size):
+    """rA's last entry is rewritten to rB's slot (the write map agrees: req_to_token says so);
+    rB wrote it first, so the full sub-pool's owner table says rB's."""
+    pool, allocator, run, admit, step = served("raise", page_size)
+    admit(1, "rA", page_size)
+    _, b_loc = admit(2, "rB", page_size)
+    step(only=(2,))  # rB writes its last slot: it owns that page
+    slot = int(b_loc[-1])
+    run.req_to_token_pool.req_to_token[1, page_size - 1] = slot
+    info = raised(rf"is owned by another running request.*{FULL}", lambda: step(only=(1,)))
+    v = info.violation
+    assert (v.kind, v.value, v.request, v.owner) == ("owned", slot, "rA", "req_to_token row 2")  # rB: not in the batch
+
+
+@PAGES
+def test_an_swa_page_freed_twice_through_a_stale_mapping_names_both_requests(served, page_size):
+    """rA's SWA page leaves the window; a stale mapping still sends rA's full page to it, and
+    rB's row names that full page: sglang's out-of-window free for rB passes the SWA-level
+    check (the peer reads as mapped) and frees the SWA page again in the SWA sub-allocator,
+    after sglang cleared the mapping. The report names the holder through the full ids the
+    free began with, and the request the free is for."""
+    pool, allocator, run, admit, step = served("raise", page_size)
+    a, a_loc = admit(1, "rA", 2 * page_size)
+    b, _ = admit(2, "rB", 2 * page_size)
+    step()
+    swa_a = allocator.translate_loc_from_full_to_swa(a_loc[:page_size]).clone()
+    evict_out_of_window(run, allocator, a, page_size, 2 * page_size)
+    allocator.full_to_swa_index_mapping[a_loc[:page_size]] = swa_a  # the stale mapping
+    run.req_to_token_pool.req_to_token[2, :page_size] = a_loc[:page_size].to(torch.int32)
+    page = int(swa_a[0]) // page_size
+    info = raised(rf"^free_page_ids \((Paged)?TokenToKVPoolAllocator\): page_ids\[0\] = {page} is not allocated "
+                  rf"\(double free\).*; page {page} is held by request rA token 0; the free is for request rB {SWA}$",
+                  lambda: evict_out_of_window(run, allocator, b, page_size, 2 * page_size))
+    assert (info.violation.owner, info.violation.request, info.violation.claimed) == ("rA", "rB", True)

@@ -270,3 +270,29 @@ def test_the_activation_line_says_which_kv_transfer_checks_run_and_from_which_re
     with caplog.at_level(logging.INFO, logger="sglang_oobguard"):
         guard("warn", liveness=True)
     assert any("sglang_oobguard active" in r.getMessage() and line in r.getMessage() for r in caplog.records)
+
+
+def test_an_swa_allocators_transfers_are_checked_on_its_full_sub_allocators_shadow(guard, decode, caplog):
+    """sglang's SWATokenToKVPoolAllocator over a real SWAKVPool: req_to_token and the sent
+    pages hold full ids, so the send and the in-flight free read the full sub-allocator's
+    shadow; its SWA destination pages are said once not to be checked."""
+    needs("SWATokenToKVPoolAllocator")
+    from helpers import swa_allocator, swa_pool
+
+    guard("strict", liveness=True)
+    allocator = swa_allocator(swa_pool(1))
+    s = DecodeSide(allocator)
+    req, slots = s.request("r0", 0, 7, tokens=TOKENS)
+    allocator.free(slots[3:4])
+    with pytest.raises(KVOutOfBoundsError) as info:
+        s.send(req, slots)
+    violation = info.value.violation
+    assert (violation.kind, violation.pos, violation.request, violation.pool) == (
+        "freed", 3, "r0", "SWAKVPool.full_kv_pool (full ids)")
+    other, theirs = s.request("r1", 1, 8, tokens=TOKENS)
+    s.send(other, theirs)
+    with pytest.raises(KVOutOfBoundsError) as info:
+        allocator.free(theirs)  # sglang's SWA free: its full half goes back in flight
+    assert (info.value.violation.kind, info.value.violation.request) == ("in_flight", "r1")
+    assert caplog.text.count("PD transfer check on SWATokenToKVPoolAllocator: not checked: a PD transfer's SWA "
+                             "destination pages") == 1

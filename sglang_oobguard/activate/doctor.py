@@ -134,6 +134,8 @@ def _outside_pools() -> list[str]:
              f"  the read check's memory, with liveness: {reads.MEMORY} as sglang sizes its pools (sglang's "
              f"budget does not count it), before serving and capture: {_gib(Seen.bytes_for(4096, 131072))} for "
              f"4096 rows x 131072 context, {_gib(Seen.bytes_for(2048, 131072))} for 2048",
+             "  the owner and read checks read the shadow of the ids req_to_token holds (an SWA pool's: its full "
+             "sub-pool's); a step pool no shadow holds: both off, said once in the log (WARNING)",
              "  slot history, with liveness: each report names the slot's last free and allocation (step, call "
              "site) and generation",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]

@@ -17,7 +17,7 @@ import torch
 class CallState:
     """One thread's calls in progress (each thread has its own: `PerThread`)."""
 
-    __slots__ = ("current", "freeing", "depth", "memo", "hot", "capturing", "step_ids")
+    __slots__ = ("current", "freeing", "swa_peers", "depth", "memo", "hot", "capturing", "step_ids")
 
     def __init__(self) -> None:
         # The guarded write in progress, innermost: (pool, method, ids object passed on).
@@ -27,6 +27,10 @@ class CallState:
         # The allocator call in progress that checks frees: (allocator, role family);
         # a nested one of the same family (free_page_ids calling free) is not counted twice.
         self.freeing: Optional[tuple[Any, str]] = None
+        # An SWA allocator's free in progress (host ids): (its full ids, their SWA peers as the
+        # call found them). sglang clears the mapping before its sub-allocator frees the SWA
+        # pages, so a report of that inner free finds the full slots (and their holder) here.
+        self.swa_peers: Optional[tuple[Any, Any]] = None
         self.depth = 0  # forward steps in progress on this thread
         # Within one forward step (or one graph capture), the ids objects already probed
         # on a pool: (pool, bound, region, ids, lens, live) -> (ids, what the write got,

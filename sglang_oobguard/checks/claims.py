@@ -41,16 +41,22 @@ def holder(guard: Guard, full_slots: Iterable[int]) -> tuple[Optional[str], Opti
     return None, None
 
 
-def full_slots_of(pool: Any, slot: int, page: int) -> list[int]:
+def full_slots_of(pool: Any, slot: int, page: int, freeing: Optional[tuple[np.ndarray, np.ndarray]] = None) -> list[int]:
     """The full-space ids whose req_to_token entries name the page of `slot`: the page's
-    own ids, or, on an SWA sub-pool, the full slots the SWA pool's mapping sends there."""
+    own ids, or, on an SWA sub-pool, the full slots the SWA pool's mapping sends there,
+    and those an SWA free in progress (`freeing`: its full ids and their peers as it
+    began, `CallState.swa_peers`) found there before sglang cleared their mapping."""
     ids = list(range(slot - slot % page, slot - slot % page + page))
     parent = None if pool is None else pool.__dict__.get(SWA_OF_ATTR)
     mapping = None if parent is None else parent.__dict__.get(MAPPING)
     if not isinstance(mapping, torch.Tensor):
         return ids
     table = mapping.numpy()[:-1]
-    return [int(f) for f in np.flatnonzero(np.isin(table, ids) & (table > 0))]
+    found = [int(f) for f in np.flatnonzero(np.isin(table, ids) & (table > 0))]
+    if freeing is not None:
+        full, peers = freeing
+        found += [int(f) for f in full[np.isin(peers, ids) & (peers > 0)] if int(f) not in found]
+    return found
 
 
 def claimant(pos: int = -1, count: int = 0) -> Optional[str]:

@@ -111,7 +111,9 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call,
             unheld = checked(guard, lambda: transfer.on_free(guard, state, site, ids, in_pages, free))
             if unheld is not None:
                 call.ids = ids = unheld
-        contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event)) if ids.numel() else None
+        pool = allocator.__dict__.get(POOL_OF_ALLOCATOR)
+        contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event, pool)) \
+            if ids.numel() else None
         if contained is not None:
             call.ids = contained
     return counted(guard, allocator, "free", call)
@@ -120,7 +122,8 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call,
 def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
     group = getattr(allocator, "free_page_ids_group", None) or []
     for i, page_ids in enumerate(group):
-        contained = checked(guard, lambda: check_free(guard, state, site, page_ids, True, call.event))
+        contained = checked(guard, lambda: check_free(guard, state, site, page_ids, True, call.event,
+                                                      allocator.__dict__.get(POOL_OF_ALLOCATOR)))
         if contained is not None:
             group[i] = contained
     return counted(guard, allocator, "group", call)
@@ -231,11 +234,13 @@ def checked(guard: Guard, work: Callable[[], Optional[torch.Tensor]]) -> Optiona
 
 
 def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pages: bool,
-               event: int = callsite.NONE) -> Optional[torch.Tensor]:
+               event: int = callsite.NONE, pool: Any = None) -> Optional[torch.Tensor]:
     """Check one real free against the shadow (every id live, none twice where each
     id owns its flag), then clear the flags of what it gives back. `in_pages`: the
-    ids are page ids. Returns the ids to free instead, when warn mode contains a bad
-    free on the host (the live ones, once each); None: free `ids` as they are."""
+    ids are page ids. A host report names both requests (`claims`; `pool`: the
+    allocator's, whose slots an SWA mapping may name). Returns the ids to free instead,
+    when warn mode contains a bad free on the host (the live ones, once each); None:
+    free `ids` as they are."""
     live = state.live
     assert live is not None
     _count(guard, state, "frees")
@@ -246,7 +251,10 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
         finding = hostscan.scan_free(ids, high, live)
         contained = None
         if finding is not None:  # strict and raise: raised before the allocator took the ids
-            guard.report_now(state, finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True))
+            record = finding.record(site, -1, high, ids.numel(), guard.steps.number, free=True)
+            slot = record.value * (state.live.page if in_pages else 1)
+            held = claims.full_slots_of(pool, slot, state.live.page, guard.calls.swa_peers) if 0 <= slot else []
+            guard.report_now(state, record, **claims.sides(guard, held))
             contained = hostscan.live_only(ids, high, live)
         shadow.release(live, ids, event, host=True)
         return contained

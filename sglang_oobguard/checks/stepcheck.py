@@ -29,7 +29,9 @@ from typing import Any, Optional
 import torch
 
 from ..model.config import Backend
-from ..model.targets import POOL_IDS
+from ..model.log import logger
+from ..model.swatargets import full_space
+from ..model.targets import POOL_IDS, POOL_OF_ALLOCATOR
 from ..probes import device
 from ..probes.pools import STATE_ATTR
 from ..report.reporter import KVOutOfBoundsError
@@ -59,7 +61,10 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
             guard.publish(state, state.record.poll(restart=False))
     if not (is_tensor and hasattr(pool, "size") and hasattr(pool, "page_size")):
         return None
+    pool = id_space(runner, pool)
     high = POOL_IDS.high(pool)
+    if guard.config.liveness and guard.state(pool, loc).live is None:
+        _unshadowed(guard, pool)
     # the common host step first: a plain decode of a few ids, found clean
     few = None if gpu or guard.config.backend is Backend.TRITON else \
         stepmap.check_decode(guard, runner, batch, pool, loc, high)
@@ -90,6 +95,27 @@ def _count(guard: Guard, pool: Any, mapped: bool) -> None:
         counts.add("map", "steps")
         if live and state.live.owner is not None:
             counts.add("owners", "steps")
+
+
+def id_space(runner: Any, pool: Any) -> Any:
+    """The pool whose ids the step's out_cache_loc and req_to_token hold, and whose shadow
+    its owner and read checks read: an SWA pool's full sub-pool (the pool of its allocator's
+    full sub-allocator, `swatargets.full_space`), else the runner's pool itself."""
+    allocator = getattr(runner, "token_to_kv_pool_allocator", None)
+    if allocator is None or getattr(allocator, "__dict__", {}).get(POOL_OF_ALLOCATOR) is not pool:
+        return pool
+    sub = full_space(allocator)
+    inner = getattr(sub, "__dict__", {}).get(POOL_OF_ALLOCATOR)
+    return pool if sub is allocator or inner is None else inner
+
+
+def _unshadowed(guard: Guard, pool: Any) -> None:
+    """Liveness on, and no shadow holds the step's ids: said once per pool class."""
+    name = type(pool).__name__
+    if guard.first_time(f"unshadowed step {name}"):
+        logger.warning("sglang_oobguard: the owner check and the read check are off for %s: no liveness shadow "
+                       "holds its ids (its allocator is not tracked; the step checks bounds and the write map only)",
+                       name)
 
 
 def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int,

@@ -87,13 +87,28 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
             return wrapped(*args, **kwargs)  # free's own free_swa / free_full: checked with it
         call = Call(wrapped, args, kwargs, target.method)
         ids = call.ids
-        if isinstance(ids, torch.Tensor) and ids.numel() and guard.on_host(ids):
-            contained = checked(guard, lambda: check_free(guard, instance, target.method, spec, ids))
-            if contained is not None:
-                call.ids = contained
-        return counted(guard, instance, FAMILY, call)
+        if not (isinstance(ids, torch.Tensor) and ids.numel() and guard.on_host(ids)):
+            return counted(guard, instance, FAMILY, call)
+        contained = checked(guard, lambda: check_free(guard, instance, target.method, spec, ids))
+        if contained is not None:
+            call.ids = contained
+        outer, calls.swa_peers = calls.swa_peers, _peers(instance, call.ids)
+        try:  # its sub-allocators' reports (liveness) find the full slots of an SWA page here
+            return counted(guard, instance, FAMILY, call)
+        finally:
+            calls.swa_peers = outer
 
     return wrapper
+
+
+def _peers(allocator: Any, ids: torch.Tensor) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(full ids, their SWA peers) as a free begins (host ids), for `claims.full_slots_of`."""
+    mapping = allocator.__dict__.get(MAPPING)
+    if not isinstance(mapping, torch.Tensor) or not mapping.numel() or not mapping.is_cpu:
+        return None
+    full = ids.reshape(-1).numpy().astype(np.int64)
+    table = mapping.numpy()
+    return full, table[np.clip(full, 0, table.size - 1)]
 
 
 def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec: SwaMethod) -> bool:

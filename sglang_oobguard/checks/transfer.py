@@ -25,6 +25,7 @@ import torch
 
 from ..model.config import Mode
 from ..model.log import logger
+from ..model.swatargets import SWA_CHECKED, SWA_STATE_PAGES, full_space
 from ..model.violation import Kind, site_id
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
@@ -56,9 +57,8 @@ def send(guard: Guard, queue: Any, decode_req: Any, kv_indices: Any, page_size: 
     then count them in flight."""
     if getattr(kwargs.get("destination"), "name", "DEVICE") == "HOST":
         return  # host staging buffers, not the device pool's pages
-    allocator = queue.token_to_kv_pool_allocator
-    state: Optional[PoolState] = allocator.__dict__.get(LIVE_ATTR)
-    if state is None or state.live is None:
+    state = _shadow(guard, queue.token_to_kv_pool_allocator)
+    if state is None:
         return
     if page_size != state.live.page:
         if guard.first_time("transfer page size"):
@@ -74,6 +74,16 @@ def send(guard: Guard, queue: Any, decode_req: Any, kv_indices: Any, page_size: 
     inside = check_pages(guard, state, SEND_LABEL, pages, own, own_row=False, request=str(req.rid), room=room)
     guard.transfers.add(Transfer(state, pages[inside], str(req.rid), room, guard.steps.number,
                                  decode_req.kv_receiver, decode_req))
+
+
+def _shadow(guard: Guard, allocator: Any) -> Optional[PoolState]:
+    """The state whose shadow holds a transfer's KV page ids: the allocator's, or an SWA
+    allocator's full sub-allocator's (req_to_token's ids; its SWA pages: said once, not checked)."""
+    sub = full_space(allocator)
+    state: Optional[PoolState] = getattr(sub, "__dict__", {}).get(LIVE_ATTR)
+    if sub is not allocator and type(allocator).__name__ in SWA_CHECKED and guard.first_time("transfer swa pages"):
+        logger.warning("sglang_oobguard: PD transfer check on %s: %s", type(allocator).__name__, SWA_STATE_PAGES)
+    return None if state is None or state.live is None else state
 
 
 def check_pages(guard: Guard, state: PoolState, label: str, pages: np.ndarray, own: np.ndarray, own_row: bool,
@@ -111,8 +121,8 @@ def source(guard: Guard, sender: Any, page_indices: Any, *rest: Any, **kwargs: A
     scheduler, req = guard.transfers.sending
     if getattr(req, "disagg_kv_sender", None) is not sender:
         return
-    state: Optional[PoolState] = scheduler.token_to_kv_pool_allocator.__dict__.get(LIVE_ATTR)
-    if state is None or state.live is None:
+    state = _shadow(guard, scheduler.token_to_kv_pool_allocator)
+    if state is None:
         return
     page = state.live.page
     pages = np.asarray(page_indices.cpu() if isinstance(page_indices, torch.Tensor) else page_indices,

@@ -31,14 +31,32 @@ SWA_DOORS = {("SWAKVPool", method): f"{method} (SWAKVPool) swa_loc" for method i
 # named (one id space, no mapping: its sub-allocator is the whole story).
 SWA_CHECKED = ("SWATokenToKVPoolAllocator",)
 SWA_NAMED_ONLY = ("PureSWATokenToKVPoolAllocator",)  # all layers sliding: the mapping is the identity
+FULL_ALLOCATOR = "full_attn_allocator"  # an SWA allocator's sub-allocator of the ids req_to_token holds
 
+
+def full_space(allocator: object) -> object:
+    """The allocator of the ids req_to_token, out_cache_loc and PD's transfers name: an SWA
+    allocator's full sub-allocator (its alloc methods return the full ids; the SWA ids are
+    their mapping's), a pure-SWA allocator's one; any other allocator itself."""
+    if type(allocator).__name__ not in SWA_CHECKED + SWA_NAMED_ONLY:
+        return allocator
+    sub = getattr(allocator, "__dict__", {}).get(FULL_ALLOCATOR)
+    return allocator if sub is None else sub
+
+
+# What the PD transfer checks leave out on an SWA model (said once in the log at the first send; doctor).
+SWA_STATE_PAGES = ("not checked: a PD transfer's SWA destination pages (its SWA state indices, in the SWA id space), "
+                   "only its full pages")
 
 # What liveness tracks, per allocator family: doctor's lines, the activation line's summary.
 FAMILIES = (
     ("TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator", "one shadow per pool, per slot or per page"),
     ("SWATokenToKVPoolAllocator", "both id spaces: its two sub-allocators' shadows, and its frees checked against "
-                                  "the full -> SWA mapping (host ids; on a GPU the sub-allocators' checks only)"),
-    ("PureSWATokenToKVPoolAllocator", "its one (SWA) id space, through its sub-allocator's shadow"),
+                                  "the full -> SWA mapping (host ids; on a GPU the sub-allocators' checks only); the "
+                                  "step's owner check, the read check and the PD transfer checks on the full "
+                                  "sub-allocator's shadow (req_to_token holds full ids); " + SWA_STATE_PAGES),
+    ("PureSWATokenToKVPoolAllocator", "its one (SWA) id space, through its sub-allocator's shadow (the step's owner "
+                                      "and read checks too)"),
 )
 FAMILIES_SHORT = "token, paged, SWA (both id spaces) and pure-SWA allocators"
 # SWA allocator families liveness does not track, with why (doctor prints it). They construct on the

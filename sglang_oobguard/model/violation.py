@@ -259,9 +259,10 @@ def _claims(v: Violation) -> str:
     if not v.claimed:
         return ""
     call = "hand-out" if v.kind == "handed_out" else "free"
-    held = (f"; slot {v.value} is held by request {v.owner}" + (f" token {v.owner_token}" if v.owner_token is not None
-                                                               else "")) if v.owner is not None else \
-        f"; the request holding slot {v.value} is not known (no forward step's req_to_token names it)"
+    unit = "page" if v.freed == "page_ids" else "slot"  # a page-id free's value is a page
+    held = (f"; {unit} {v.value} is held by request {v.owner}" + (f" token {v.owner_token}" if v.owner_token is not None
+                                                                 else "")) if v.owner is not None else \
+        f"; the request holding {unit} {v.value} is not known (no forward step's req_to_token names it)"
     wants = f"; the {call} is for request {v.request}" if v.request is not None else \
         f"; the request the {call} is for is not known (none of its callers passes one)"
     return held + wants

@@ -11,7 +11,7 @@ torch_native's, through the pool's own `translate_loc_from_full_to_swa`, on SWA 
 only (those called with a sliding window). It changes reads, never a write, so the
 guard sees exactly sglang's writes.
 
-`OOBGUARD_FAULT=site=swa,step=N,value=double|handout|door`, or a +-joined sequence of
+`OOBGUARD_FAULT=site=swa,step=N,value=double|handout|door|evict`, or a +-joined sequence of
 them (one warn-mode run serves several: each AFTER decodes after the last, on other
 requests and other SWA pages), on the first decode forward from the Nth on where a token
 opens a page (so the page is its own request's alone):
@@ -20,6 +20,10 @@ opens a page (so the page is its own request's alone):
 - `handout`: that token's live SWA page is put at the head of the SWA sub-allocator's free
   list behind every allocator method (as a tool the guard has never seen would), so the
   next allocation hands it to another request while the token's request still holds it;
+- `evict`: the first page of that token's request (its oldest KV, a prefix the radix cache
+  may share) goes back to the full sub-allocator's free list behind the SWA allocator (as an
+  eviction under a running request would), the mapping left alone: no write names it, only
+  the next step's read check (the full sub-pool's shadow) sees it read;
 - `door`: for that one forward, token t's SWA id (torch_native's `swa_out_cache_loc`, the
   translation the backend computes per forward) is token t + 1's, another request's SWA
   slot, the mapping left alone (a stale or crossed translation).
@@ -76,6 +80,9 @@ def fault(spec: dict[str, str], runner, batch) -> None:
     if value == "door":
         _door_fault(step, rids, batch, allocator)
         return
+    if value == "evict":
+        _evict_fault(step, rids, batch, runner, allocator)
+        return
     token = opens[0]
     full, swa = int(batch.out_cache_loc[token]), swa_ids[token]
     _done.append((step, rids[token], swa // page))
@@ -91,8 +98,23 @@ def fault(spec: dict[str, str], runner, batch) -> None:
         back = torch.tensor([swa // page], dtype=sub.free_pages.dtype)
         sub.free_pages = torch.cat([back, sub.free_pages])
     else:
-        raise ValueError(f"OOBGUARD_FAULT: site=swa takes value=double, handout, door or a +-joined sequence of "
-                         f"them, not {value!r}")
+        raise ValueError(f"OOBGUARD_FAULT: site=swa takes value=double, handout, door, evict or a +-joined "
+                         f"sequence of them, not {value!r}")
+
+
+def _evict_fault(step: int, rids: list, batch, runner, allocator) -> None:
+    """evict: a request's first page freed in the full sub-allocator while it still reads it."""
+    page = int(allocator.page_size)
+    lens = batch.seq_lens_cpu.tolist()
+    token = next((t for t, n in enumerate(lens) if n > 3 * page), None)
+    if token is None:
+        return
+    row = int(batch.req_pool_indices[token])
+    slots = runner.req_to_token_pool.req_to_token[row, :page].to(torch.int64).clone()
+    _done.append((step, rids[token], -1))
+    allocator.full_attn_allocator.free(slots)
+    print(f"oobguard_faultinject: swa evict at decode {step}: token {token} (rid {rids[token]}) full slot "
+          f"{int(slots[0])}, its first page freed (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
 _door: list[int] = []  # the token whose SWA id the next init_forward_metadata crosses (door)
