@@ -1,4 +1,4 @@
-"""Activation: the one line a process logs when its guard installs: what is on, and where."""
+"""Activation: what a process says when its guard installs: what is on, and what this sglang lacks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from ..checks import reads
 from ..checks.guard import checks_on
 from ..model import config as config_mod
 from ..model.swatargets import FAMILIES_SHORT
-from ..model.targets import UNMAPPED, write_map_off
+from ..model.targets import FUSED_WRITERS, STEP_HOOK, UNMAPPED, module_file, write_map_off
 from . import kvhooks
 
 
@@ -21,3 +21,16 @@ def line(config: config_mod.Config, guarded: int, version: str) -> str:
             f"far), sglang {version}, liveness={liveness} (owner check {'on' if config.liveness else 'off'}), "
             f"finite={'on' if config.finite else 'off'}, {mapped}, {kvhooks.releases()}; "
             f"checks on: {', '.join(checks_on(config))}")
+
+
+def absent_hooks() -> list[tuple[str, str]]:
+    """The step check and fused writers whose module this sglang does not ship
+    (read from its files: nothing is imported)."""
+    absent = []
+    if module_file(STEP_HOOK.module) is None:
+        absent.append((f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method})", STEP_HOOK.module))
+    absent += kvhooks.absent()
+    for writer in FUSED_WRITERS:
+        if all(module_file(module) is None for module in writer.modules):
+            absent.append((writer.label, " or ".join(writer.modules)))
+    return absent

@@ -33,7 +33,7 @@ from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets
                               pool_classes, resolve, write_methods)
 from ..model.swatargets import SWA_ALLOCATOR_MODULE
 from ..model.log import ensure_visible, logger
-from ..model.targets import (FUSED_WRITERS, IDLE_HOOK, STEP_HOOK, UPSTREAM_PROBE, is_supported, module_file,
+from ..model.targets import (FUSED_WRITERS, IDLE_HOOK, STEP_HOOK, UPSTREAM_PROBE, is_supported,
                              version_of_sglang)
 from ..model.violation import Violation
 from ..report.files import open_report
@@ -292,26 +292,13 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.patches.entries if isinstance(entry, Found)]
     logger.info("%s", activation.line(config, len(guarded), version))
-    absent = [f"{hook} (no {where} in this sglang)" for hook, where in _absent_hooks()]
+    absent = [f"{hook} (no {where} in this sglang)" for hook, where in activation.absent_hooks()]
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped + absent) or "nothing")
     _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent, checks_on(config))
     return _active.patches.entries
-
-
-def _absent_hooks() -> list[tuple[str, str]]:
-    """The step check and fused writers whose module this sglang does not ship
-    (read from its files: nothing is imported)."""
-    absent = []
-    if module_file(STEP_HOOK.module) is None:
-        absent.append((f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method})", STEP_HOOK.module))
-    absent += kvhooks.absent()
-    for writer in FUSED_WRITERS:
-        if all(module_file(module) is None for module in writer.modules):
-            absent.append((writer.label, " or ".join(writer.modules)))
-    return absent
 
 
 def _check_backend(config: config_mod.Config) -> None:

@@ -25,9 +25,8 @@ from typing import Any, Callable, Optional
 
 from .swatargets import dsv4_slots
 
-# Supported versions, declared up front: the releases the CI matrix runs, oldest to
-# newest. A class or method that a release lacks is skipped and named in a log line;
-# outside the range the guard still installs what fits, and the same line says so.
+# Supported versions, declared up front: the releases the CI matrix runs, oldest to newest. What
+# a release lacks is skipped and named in a log line; outside the range the guard installs what fits.
 SUPPORTED = ((0, 4, 10), (0, 5, 23))
 TESTED = ("0.4.10.post2", "0.5.10", "0.5.12", "0.5.23")
 
