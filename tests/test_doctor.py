@@ -233,3 +233,21 @@ def test_doctor_exits_non_zero_without_a_traceback_when_the_pools_import_raises_
         "(sglang.srt.mem_cache.memory_pool: TypeError: unhashable type: 'dict'); a dependency of sglang is missing "
         "or of a version this sglang does not work with: install the versions this sglang release requires "
         "(pip show sglang; its Requires-Dist)"]
+
+
+def test_doctor_lists_every_check_with_its_state():
+    """One line per check, its state written out here by hand for this configuration (the write
+    map's checks run on 0.5.23, the release it was measured on)."""
+    from sglang_oobguard.model.targets import write_map_off
+
+    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_LIVENESS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("checks (each counts its work"))
+    states = [line.split(" - ")[0].strip() for line in lines[start + 1:start + 12]]
+    mapped = "on" if SGLANG == "0.5.23" else f"off ({write_map_off()})"
+    assert states == ["bounds: on", f"map: {mapped}", f"owners: {mapped}", "liveness: on", "history: on",
+                      f"reads: {mapped}", f"ownids: {mapped}", "finite: off (set SGLANG_OOBGUARD_FINITE=1)",
+                      "swa: with liveness, where sglang runs sliding-window models",
+                      "pd: with liveness, where sglang runs PD disaggregation",
+                      "hicache: with liveness, where sglang runs HiCache"], states

@@ -22,6 +22,7 @@ from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SU
 from ..model.transfertargets import (DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS,
                                      HICACHE_SINCE, TRANSFER_HOOKS, TRANSFER_SINCE)
 from ..model.violation import site_label
+from ..report.counts import CHECKS
 
 
 def _stored(writer: Any) -> tuple[tuple[int, str], ...]:
@@ -33,6 +34,28 @@ def _stored(writer: Any) -> tuple[tuple[int, str], ...]:
             inner = getattr(function, "__wrapped__", function)
             return stored_values(writer.function, list(inspect.signature(inner).parameters))
     return WRITER_VALUES.get(writer.function, ())
+
+
+def _print_checks(settings: config.Config) -> None:
+    """One line per check: on or off (and why), and what it catches; each counts its work."""
+    from ..checks.guard import checks_on
+
+    on = checks_on(settings)
+    features = {"swa": "sliding-window models", "pd": "PD disaggregation", "hicache": "HiCache"}
+    print("checks (each counts its work: the report folder's counts records, `report DIR`, the exit line):")
+    for name, catches in CHECKS.items():
+        if name in features:
+            state = f"with liveness, where sglang runs {features[name]}" if settings.liveness else \
+                f"off (set {config.LIVENESS_VAR}=1)"
+        elif name in on:
+            state = "on"
+        elif name == "finite":
+            state = "off (set SGLANG_OOBGUARD_FINITE=1)"
+        elif name in ("map", "ownids", "owners", "reads") and write_map_off():
+            state = f"off ({write_map_off()})"
+        else:
+            state = f"off (set {config.LIVENESS_VAR}=1)"
+        print(f"  {name}: {state} - {catches}")
 
 
 def run() -> int:
@@ -71,6 +94,7 @@ def run() -> int:
     print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value} "
           f"({config.BACKEND_PATHS[settings.backend]}); "
           f"liveness: {'on' if settings.liveness else f'off (set {config.LIVENESS_VAR}=1 to check it)'}")
+    _print_checks(settings)
     _print_finite(settings)
     _print_report_dir(settings)
     if isinstance(entries, str):
