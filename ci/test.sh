@@ -8,9 +8,9 @@
 # Two at a time: the runs are jobs, taken in order by two workers (xargs -P), each job
 # building its release's venv first if it is missing (the 0.5.23 venv, and with it the
 # shared torch, is built before any job starts). A pytest process is mostly one busy
-# core, so two jobs fill this 2-core machine. Without arguments the 0.5.23 cell is two
-# jobs, its engine tests and benchmarks (-m "e2e or bench") and the rest (-m "not e2e
-# and not bench"): together exactly the full suite. Each job's output is printed whole
+# core, so two jobs fill this 2-core machine. Without arguments the 0.5.23 cell is three
+# jobs: its engine tests and benchmarks (-m "(e2e or bench) and not matrix"), the clean
+# matrix (-m matrix) and the rest (-m "not e2e and not bench"): together exactly the full suite. Each job's output is printed whole
 # when it ends (OOBGUARD_JOBS_DIR keeps the logs), then a table of every job's result
 # and minutes; any job failing fails the run. OOBGUARD_WORKERS=1 runs them one by one.
 # Every job runs with OMP_NUM_THREADS=1 unless it is set: with two OpenMP threads per
@@ -69,7 +69,8 @@ bash ci/setup-env.sh "${matrix%% *}" > /dev/null  # torch (shared by every venv)
 jobs=()  # VERSION<TAB>MARKERS, longest first
 for version in $matrix; do
   if [[ "$version" == 0.5.23 ]]; then
-    if (($#)); then jobs+=("$version	"); else jobs+=("$version	e2e or bench" "$version	not e2e and not bench"); fi
+    if (($#)); then jobs+=("$version	"); else
+      jobs+=("$version	(e2e or bench) and not matrix" "$version	matrix" "$version	not e2e and not bench"); fi
   else
     jobs+=("$version	")
   fi

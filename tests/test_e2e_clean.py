@@ -23,7 +23,7 @@ import pytest
 from e2e.harness import RETRACTED, Run, assert_radix_reused, reference_run, run_engine
 from sglang_oobguard.report.summary import read
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.matrix]
 
 EVERY = {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1", "SGLANG_OOBGUARD_FINITE": "1"}
 CORE = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "finite")
