@@ -63,7 +63,9 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
         return None
     pool = id_space(runner, pool)
     high = POOL_IDS.high(pool)
-    if guard.config.liveness and guard.state(pool, loc).live is None:
+    # a draft runner's pool shares the target's allocator, whose shadow is the target pool's: its steps'
+    # reads are the target's (skipped by design), its owners unchecked as before; not said as if off
+    if guard.config.liveness and not getattr(runner, "is_draft_worker", False) and guard.state(pool, loc).live is None:
         _unshadowed(guard, pool)
     # the common host step first: a plain decode of a few ids, found clean
     few = None if gpu or guard.config.backend is Backend.TRITON else \
