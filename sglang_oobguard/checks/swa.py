@@ -79,8 +79,9 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
     spec = SWA_METHODS[target.method]
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        if type(instance).__name__ not in SWA_CHECKED or instance.__dict__.get("_swa_req_ring"):
-            return wrapped(*args, **kwargs)  # a per-request SWA ring: no paged SWA peers
+        if type(instance).__name__ not in SWA_CHECKED or instance.__dict__.get("_swa_req_ring") or \
+                "swa" not in guard.config.checks:
+            return wrapped(*args, **kwargs)  # a per-request SWA ring: no paged SWA peers; or the check off
         calls = guard.calls
         outer = calls.freeing
         if outer is not None and outer[0] is instance and outer[1] == FAMILY:
@@ -140,6 +141,7 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
     live = None if state is None else state.live
     if live is None:  # the full sub-allocator is not tracked: nothing to check against
         return None
+    guard.counts.add("swa", "frees")
     flat = ids.reshape(-1)
     mapping: torch.Tensor = allocator.__dict__[MAPPING]
     page = int(allocator.page_size)
@@ -219,6 +221,7 @@ def _check_door_host(guard: Guard, pool: Any, site: int, args: tuple, kwargs: di
     seen = (guard.steps.number, id(loc), id(swa_loc))  # a step's SWA layers share its ids: checked once
     if guard.calls.depth and pool.__dict__.get(SEEN_ATTR) == seen:
         return args, kwargs
+    guard.counts.add("swa", "writes")
     full, ids, table = loc.reshape(-1).numpy(), swa_loc.reshape(-1).numpy(), mapping.numpy()
     inside = (full >= 0) & (full < table.size - 1)
     expected = np.where(inside, table[np.clip(full, 0, table.size - 2)], ids)
