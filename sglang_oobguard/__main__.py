@@ -1,4 +1,4 @@
-"""Command line: `python -m sglang_oobguard {demo,doctor,report}`."""
+"""Command line: `python -m sglang_oobguard {demo,doctor,report,help}`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd = sub.add_parser("demo", help="a stale slot id in a real sglang KV pool, unguarded then guarded")
     demo_cmd.add_argument("--engine", action="store_true", help="the same story in the real sglang Engine (~2 min)")
     sub.add_parser("doctor", help="what the guard covers on the installed sglang")
+    sub.add_parser("help", help="the checks SGLANG_OOBGUARD_CHECKS turns on and off: name, default, what it catches")
     report_cmd = sub.add_parser("report", help="summarise a report folder (SGLANG_OOBGUARD_REPORT_DIR); "
                                 "exit 1 on any violation, 2 when no process was guarded")
     report_cmd.add_argument("folder", help="the folder the guarded processes wrote to")
@@ -21,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         from .report import summary
 
         return summary.run(args.folder, args.json)
+    if args.command == "help":
+        from .model import switches
+
+        print(switches.HELP)
+        print("\n".join(switches.help_lines()))
+        return 0
     if args.command == "demo":
         from . import demo
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 
-# config.ENABLE_VAR, INVARIANT_VAR, MODE_VAR turn the guard on; LIVENESS_VAR or FINITE_VAR
-# alone is an error that must be heard (tests/test_plugin_loader.py keeps the lists equal).
+# config.ENABLE_VAR, INVARIANT_VAR, MODE_VAR turn the guard on; LIVENESS_VAR, FINITE_VAR or
+# CHECKS_VAR alone is an error that must be heard (tests/test_plugin_loader.py keeps the lists equal).
 TRIGGERS = ("SGLANG_ENABLE_ASYNC_ASSERT", "SGLANG_INVARIANT_CHECK", "SGLANG_OOBGUARD_MODE",
-            "SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_FINITE")
+            "SGLANG_OOBGUARD_LIVENESS", "SGLANG_OOBGUARD_FINITE", "SGLANG_OOBGUARD_CHECKS")
 
 
 def load() -> None:

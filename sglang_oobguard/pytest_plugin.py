@@ -34,16 +34,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--oobguard-report-dir", default=None, metavar="DIR",
                     help="the folder for the guarded processes' reports (default: a new temporary folder); "
                          "made if missing, refused if it holds reports of an earlier run")
+    group.addoption("--oobguard-checks", default=None, metavar="LIST",
+                    help="which checks run (SGLANG_OOBGUARD_CHECKS), e.g. all,-reads or +liveness,+finite: "
+                         "`python -m sglang_oobguard help` lists them")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     mode: Optional[str] = config.getoption("oobguard")
     folder: Optional[str] = config.getoption("oobguard_report_dir")
+    checks: Optional[str] = config.getoption("oobguard_checks")
     if mode is None:
-        if folder is not None:
-            raise pytest.UsageError("--oobguard-report-dir needs --oobguard[=strict|raise|warn]")
+        for given, name in ((folder, "--oobguard-report-dir"), (checks, "--oobguard-checks")):
+            if given is not None:
+                raise pytest.UsageError(f"{name} needs --oobguard[=strict|raise|warn]")
         return
-    config.pluginmanager.register(GuardedSession(mode, _report_folder(folder)), "oobguard-session")
+    config.pluginmanager.register(GuardedSession(mode, _report_folder(folder), checks), "oobguard-session")
 
 
 def _report_folder(given: Optional[str]) -> str:
@@ -69,12 +74,14 @@ class GuardedSession:
     """The session's guard: the variables it set (put back at the end), its folder
     and, after the tests, the folder's summary."""
 
-    def __init__(self, mode: str, folder: str) -> None:
+    def __init__(self, mode: str, folder: str, checks: Optional[str] = None) -> None:
         from .model import config as config_mod
 
         self.folder = folder
         self.summary: Optional[Summary] = None
         wanted = {config_mod.MODE_VAR: mode, config_mod.REPORT_DIR_VAR: folder}
+        if checks is not None:
+            wanted[config_mod.CHECKS_VAR] = checks
         self.saved = {name: os.environ.get(name) for name in wanted}
         os.environ.update(wanted)
         try:

@@ -126,3 +126,85 @@ def test_report_dir_with_stray_spaces_is_an_error():
     with pytest.raises(ConfigError, match=r"invalid SGLANG_OOBGUARD_REPORT_DIR=' reports'; accepted: a folder path "
                                           "without leading or trailing spaces"):
         from_env({"SGLANG_OOBGUARD_REPORT_DIR": " reports", "SGLANG_OOBGUARD_MODE": "warn"})
+
+
+# -- SGLANG_OOBGUARD_CHECKS: one check, one switch ------------------------------------------
+
+ON = {"SGLANG_OOBGUARD_MODE": "strict"}
+LIVE = {**ON, "SGLANG_OOBGUARD_LIVENESS": "1"}
+NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "finite", "swa", "pd", "hicache")
+
+
+def checks(env):
+    return from_env(env).checks
+
+
+def test_without_the_switch_the_aliases_turn_on_exactly_what_they_did():
+    assert checks(ON) == {"bounds", "map", "ownids", "swa", "hicache"}
+    assert checks(LIVE) == checks(ON) | {"liveness", "history", "owners", "reads", "pd"}
+    assert checks({**ON, "SGLANG_OOBGUARD_FINITE": "1"}) == checks(ON) | {"finite"}
+    cfg = from_env(LIVE)
+    assert cfg.liveness and not cfg.finite and not cfg.switched_off
+    assert checks({}) == checks(ON) and not from_env({}).liveness  # the guard off: nothing deeper
+
+
+def test_all_and_minus_apply_left_to_right_and_keep_the_old_fields_true():
+    cfg = from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads"})
+    assert cfg.checks == set(NAMES) - {"reads"} and cfg.liveness and cfg.finite
+    assert cfg.switched_off == {"reads"}  # what doctor and the activation line call off by the switch
+    assert checks({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads,+reads"}) == set(NAMES)
+    assert checks({**ON, "SGLANG_OOBGUARD_CHECKS": "-all,bounds"}) == {"bounds"}
+
+
+def test_a_bare_list_starts_from_nothing_and_a_signed_one_edits_the_aliases():
+    assert checks({**LIVE, "SGLANG_OOBGUARD_CHECKS": "bounds,map"}) == {"bounds", "map"}
+    assert not from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": "bounds,map"}).liveness
+    assert checks({**LIVE, "SGLANG_OOBGUARD_CHECKS": "-reads"}) == checks(LIVE) - {"reads"}
+    cfg = from_env({**ON, "SGLANG_OOBGUARD_CHECKS": "+liveness, +FINITE"})  # spaces and any case
+    assert cfg.liveness and cfg.finite and cfg.checks == checks(ON) | {"liveness", "finite"}
+
+
+@pytest.mark.parametrize("value", ["bounds,mapp", "all,-read", "bounds,,map", "+"])
+def test_an_unknown_name_is_an_error_listing_every_name(value):
+    with pytest.raises(ConfigError) as info:
+        from_env({**ON, "SGLANG_OOBGUARD_CHECKS": value})
+    message = str(info.value)
+    assert f"invalid SGLANG_OOBGUARD_CHECKS={value!r}" in message and "NOT active" in message
+    assert "a comma list of all, NAME, +NAME, -NAME with NAME one of " + ", ".join(NAMES) in message
+
+
+@pytest.mark.parametrize("value,check,needs", [
+    ("bounds,reads", "reads", "liveness"),
+    ("all,-map", "owners", "map"),
+    ("bounds,liveness,owners", "owners", "map"),
+    ("bounds,history", "history", "liveness"),
+    ("all,-history", "reads", "history"),
+    ("bounds,ownids", "ownids", "map"),
+    ("+pd", "pd", "liveness"),
+])
+def test_a_check_whose_dependency_is_off_is_an_error_naming_what_to_add(value, check, needs):
+    with pytest.raises(ConfigError) as info:
+        from_env({**ON, "SGLANG_OOBGUARD_CHECKS": value})
+    assert f"{check!r} needs {needs!r}, which is off: add '+{needs}'" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["-bounds", "all,-bounds", "map,liveness"])
+def test_bounds_cannot_be_turned_off_while_the_guard_is_on(value):
+    with pytest.raises(ConfigError, match="'bounds' cannot be turned off while the guard is on"):
+        from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": value})
+
+
+def test_the_switch_without_the_guard_is_an_error_and_explicit_off_wins():
+    with pytest.raises(ConfigError, match="SGLANG_OOBGUARD_CHECKS='all'; accepted: unset, or set it with the guard on"):
+        from_env({"SGLANG_OOBGUARD_CHECKS": "all"})
+    assert not from_env({"SGLANG_OOBGUARD_MODE": "off", "SGLANG_OOBGUARD_CHECKS": "all"}).liveness
+
+
+def test_checks_on_reads_the_switch():
+    from sglang_oobguard.checks.guard import checks_on
+    from sglang_oobguard.model.targets import write_map_off
+
+    on = checks_on(from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads,-finite"}))
+    assert "reads" not in on and "finite" not in on and {"bounds", "liveness", "history"} <= set(on)
+    if write_map_off() is None:
+        assert {"map", "owners", "ownids"} <= set(on)

@@ -26,8 +26,6 @@ EVERY_RELEASE_GUARDED = [("MHATokenToKVPool.set_kv_buffer", "in [0, size + page_
 
 
 def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
-    import json
-
     folder = tmp_path / "reports" / "new"
     proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_REPORT_DIR": str(folder)})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -251,3 +249,26 @@ def test_doctor_lists_every_check_with_its_state():
                       "swa: with liveness, where sglang runs sliding-window models",
                       "pd: with liveness, where sglang runs PD disaggregation",
                       "hicache: with liveness, where sglang runs HiCache"], states
+
+
+def test_doctor_says_which_checks_the_switch_turned_off_and_help_lists_every_switch():
+    proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_LIVENESS": "1",
+                               "SGLANG_OOBGUARD_CHECKS": "-reads,-pd"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "  reads: off (SGLANG_OOBGUARD_CHECKS) - a running request reads a slot given back" in proc.stdout
+    assert "  pd: off (SGLANG_OOBGUARD_CHECKS) - PD disaggregation: " in proc.stdout
+    assert "  liveness: on - " in proc.stdout
+    import contextlib
+    import io
+
+    from sglang_oobguard.__main__ import main
+    from sglang_oobguard.model.switches import CHECKS
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["help"]) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("SGLANG_OOBGUARD_CHECKS: which checks run")
+    assert [line.split()[0] for line in lines[1:]] == list(CHECKS)
+    assert any(line.startswith("  reads     default: on with SGLANG_OOBGUARD_LIVENESS=1 (needs liveness, map, owners, "
+                               "history) - ") for line in lines)

@@ -17,6 +17,7 @@ import re
 import pytest
 
 from e2e.harness import reference_run, run_engine
+from helpers import needs
 
 pytestmark = pytest.mark.e2e
 

@@ -55,7 +55,7 @@ def test_the_entry_points_triggers_are_configs_activating_variables():
     from sglang_oobguard import plugin
 
     assert plugin.TRIGGERS == (config.ENABLE_VAR, config.INVARIANT_VAR, config.MODE_VAR, config.LIVENESS_VAR,
-                               config.FINITE_VAR)
+                               config.FINITE_VAR, config.CHECKS_VAR)
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,20 @@ def test_strict_by_default_a_clean_run_passes_and_names_its_temporary_folder(pyt
     assert lines[-1]["kind"] == "counts" and lines[-1]["final"]  # what each check did, filed at exit
 
 
+def test_the_checks_option_reaches_every_guarded_process(pytester):
+    """--oobguard-checks LIST is SGLANG_OOBGUARD_CHECKS for the session: the subprocess's
+    activation record names the checks it ran, the one turned off not among them."""
+    pytester.makepyfile(SUBPROCESS.format(ids=[5, 6]))
+    result = run(pytester, "--oobguard", "--oobguard-checks=all,-reads")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-3000:]
+    folder = Path(next(line for line in result.stdout.str().splitlines()
+                       if line.startswith("sglang_oobguard report ")).split()[2].rstrip(":"))
+    ((pid, lines),) = reports(folder).items()
+    activation = lines[0]
+    assert activation["liveness"] and activation["finite"] and "reads" not in activation["checks"]
+    assert {"bounds", "liveness", "history"} <= set(activation["checks"])
+
+
 def test_a_run_in_which_nothing_was_guarded_fails(pytester):
     pytester.makepyfile("def test_nothing_to_do_with_sglang(): pass\n")
     result = run(pytester, "--oobguard=warn")
@@ -119,6 +133,12 @@ def test_bad_options_are_usage_errors_that_say_what_to_do(pytester, tmp_path, mo
     assert earlier.ret == pytest.ExitCode.USAGE_ERROR
     assert ("holds the reports of an earlier run (1 file, e.g. oobguard-vm-1.jsonl): remove them, or name an "
             "empty folder") in earlier.stderr.str()
+    checks = run(pytester, "--oobguard-checks=all")
+    assert checks.ret == pytest.ExitCode.USAGE_ERROR
+    assert "--oobguard-checks needs --oobguard[=strict|raise|warn]" in checks.stderr.str()
+    unknown = run(pytester, "--oobguard", "--oobguard-checks=all,-nope")
+    assert unknown.ret == pytest.ExitCode.USAGE_ERROR
+    assert "invalid SGLANG_OOBGUARD_CHECKS='all,-nope'" in unknown.stderr.str()
     loud = run(pytester, "--oobguard=loud")
     assert loud.ret == pytest.ExitCode.USAGE_ERROR and "invalid choice: 'loud'" in loud.stderr.str()
     monkeypatch.setenv("SGLANG_OOBGUARD_BACKEND", "gpu")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 import sglang_oobguard
 from helpers import mha, token_allocator

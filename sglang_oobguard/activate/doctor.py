@@ -38,23 +38,22 @@ def _stored(writer: Any) -> tuple[tuple[int, str], ...]:
 
 def _print_checks(settings: config.Config) -> None:
     """One line per check: on or off (and why), and what it catches; each counts its work."""
-    from ..checks.guard import checks_on
+    from ..checks.guard import MAPPED
 
-    on = checks_on(settings)
     features = {"swa": "sliding-window models", "pd": "PD disaggregation", "hicache": "HiCache"}
-    print("checks (each counts its work: the report folder's counts records, `report DIR`, the exit line):")
+    print("checks (each counts its work: the report folder's counts records, `report DIR`, the exit line; "
+          f"{config.CHECKS_VAR} turns each on or off: `python -m sglang_oobguard help`):")
     for name, catches in CHECKS.items():
-        if name in features:
-            state = f"with liveness, where sglang runs {features[name]}" if settings.liveness else \
-                f"off (set {config.LIVENESS_VAR}=1)"
-        elif name in on:
-            state = "on"
-        elif name == "finite":
-            state = "off (set SGLANG_OOBGUARD_FINITE=1)"
-        elif name in ("map", "ownids", "owners", "reads") and write_map_off():
+        if name in settings.switched_off:
+            state = f"off ({config.CHECKS_VAR})"
+        elif name not in settings.checks:
+            state = f"off (set {config.FINITE_VAR if name == 'finite' else config.LIVENESS_VAR}=1)"
+        elif name in features:
+            state = f"{'with liveness, ' if settings.liveness else ''}where sglang runs {features[name]}"
+        elif name in MAPPED and write_map_off():
             state = f"off ({write_map_off()})"
         else:
-            state = f"off (set {config.LIVENESS_VAR}=1)"
+            state = "on"
         print(f"  {name}: {state} - {catches}")
 
 

@@ -22,7 +22,7 @@ from ..probes import device, shadow
 from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
 from ..probes.record import Record, fold_host
 from ..report import owntime
-from ..report.counts import Counts
+from ..report.counts import CHECKS, Counts
 from ..report.reporter import Reporter
 from .calls import CallState, PerThread
 from .steps import Steps
@@ -30,6 +30,8 @@ from .hiloads import Loads
 from .inflight import Transfers
 
 STEP_LABEL = "out_cache_loc (forward step)"  # the step check's site
+FEATURES = ("swa", "pd", "hicache")  # checks that run only where sglang runs the feature
+MAPPED = ("map", "ownids", "owners", "reads")  # checks that run only where the write map is known
 
 
 class Guard:
@@ -153,13 +155,13 @@ class Guard:
 
 
 def checks_on(config: Config) -> tuple[str, ...]:
-    """The checks this configuration runs everywhere it applies (SWA, PD and HiCache
-    only where sglang runs those features: they are counted when they first work)."""
+    """The checks this configuration runs everywhere it applies, in `CHECKS` order (SWA, PD
+    and HiCache only where sglang runs those features: they are counted when they first
+    work; the map's checks only where this sglang's write map is known)."""
     mapped = write_map_off() is None
-    on = ["bounds", *(["map", "ownids"] if mapped else [])]
-    if config.liveness:
-        on += ["liveness", "history", *(["owners", "reads"] if mapped else [])]
-    return tuple(on + (["finite"] if config.finite else []))
+    wanted = config.checks or ()
+    return tuple(name for name in CHECKS if name in wanted and name not in FEATURES
+                 and (mapped or name not in MAPPED))
 
 
 def history(state: PoolState, record: Record) -> dict[str, Any]:

@@ -47,10 +47,12 @@ def make_wrapper(method: str, what: str, guard: Guard) -> Callable[..., Any]:
         if not isinstance(ids, torch.Tensor) or not isinstance(device_pool, pools):
             return wrapped(*args, **kwargs)  # a device pool that is no KVCache keeps ids of its own
         layer = argument(args, kwargs, 3, "layer_id", -1) if method.startswith("load") else -1
-        guard.counts.add("hicache", "loads" if method.startswith("load") else "writes")
+        checks = guard.config.checks
+        if "hicache" in checks:  # off: its ids still get the bound check (bounds is never off)
+            guard.counts.add("hicache", "loads" if method.startswith("load") else "writes")
         passed = check_write(guard, device_pool, site, 0, ids, POOL_IDS.high(device_pool),
                              lambda: int(layer) if isinstance(layer, int) else -1)
-        if method.startswith("load") and guard.config.liveness:
+        if method.startswith("load") and hiloads.on(checks):
             passed = hiloads.check(guard, device_pool, site, argument(args, kwargs, 1, "host_indices"), passed,
                                    int(layer) if isinstance(layer, int) else -1)
         if passed is not ids:

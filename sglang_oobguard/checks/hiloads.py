@@ -84,7 +84,7 @@ def make_hook(kind: str, guard: Guard) -> Callable[..., Any]:
     book: Loads = guard.loads
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        if not guard.config.liveness:
+        if not on(guard.config.checks):
             return wrapped(*args, **kwargs)
         try:
             loading = _loading(book, kind, instance, args, kwargs)
@@ -100,6 +100,11 @@ def make_hook(kind: str, guard: Guard) -> Callable[..., Any]:
             book.now = outer
 
     return wrapper
+
+
+def on(checks: frozenset) -> bool:
+    """Whether the loads are looked up in the owner table: HiCache's check on, with owners."""
+    return "hicache" in checks and "owners" in checks
 
 
 def check(guard: Guard, device_pool: Any, site: int, host_ids: Any, ids: torch.Tensor, layer: int) -> torch.Tensor:

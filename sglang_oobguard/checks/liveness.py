@@ -160,8 +160,9 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
         state: Optional[PoolState] = instance.__dict__.get(LIVE_ATTR)
         if state is None or state.live is None:
             return wrapped(*args, **kwargs)
-        label = f"{type(instance).__name__}.{method}"
-        event = callsite.pack(guard.steps.number, callsite.here(label))  # the caller's frames, interned
+        event = callsite.NONE
+        if state.live.history is not None:  # slot history on: the caller's frames, interned
+            event = callsite.pack(guard.steps.number, callsite.here(f"{type(instance).__name__}.{method}"))
         return HANDLERS[role](guard, instance, state, free_site(method, role, type(instance)),
                               Call(wrapped, args, kwargs, method, event))
 
@@ -300,12 +301,14 @@ def _start(guard: Guard, allocator: Any) -> None:
     state = guard.state(pool, torch.device(allocator.device))
     page = int(allocator.page_size)
     pages = -(-(int(allocator.size) + page) // page)
-    if state.live is None or state.live.page != page or state.live.pages < pages:
+    owners, history = "owners" in guard.config.checks, "history" in guard.config.checks
+    if state.live is None or state.live.page != page or state.live.pages < pages or \
+            (state.live.owner is not None, state.live.history is not None) != (owners, history):
         if state.live is not None and device.is_gpu(state.device):  # a graph captured before may still read it
             device.retain(state.live)
             logger.warning("sglang_oobguard: the liveness shadow of %s grew to %d pages: a CUDA graph captured "
                            "before checks the retired shadow until it is captured again", state.pool_name, pages)
-        state.live = shadow.new_live(pages, page, state.device)
+        state.live = shadow.new_live(pages, page, state.device, owners, history)
         if device.is_gpu(state.device):
             _warm_up_frees(guard, state, type(allocator))
     else:

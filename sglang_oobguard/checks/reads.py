@@ -91,7 +91,7 @@ def make_table_hook(guard: Guard) -> Callable[..., Any]:
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         table = getattr(instance, "req_to_token", None)
-        if guard.config.liveness and isinstance(table, torch.Tensor) and table.dim() == 2:
+        if "reads" in guard.config.checks and isinstance(table, torch.Tensor) and table.dim() == 2:
             try:
                 _make(guard, instance, table)
             except Exception as exc:  # no memory for it: the first step tries again, or the check is skipped

@@ -63,25 +63,25 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
         return None
     pool = id_space(runner, pool)
     high = POOL_IDS.high(pool)
+    checks = guard.config.checks
     # a draft runner's pool shares the target's allocator, whose shadow is the target pool's: its steps'
     # reads are the target's (skipped by design), its owners unchecked as before; not said as if off
     if guard.config.liveness and not getattr(runner, "is_draft_worker", False) and guard.state(pool, loc).live is None:
         _unshadowed(guard, pool)
     # the common host step first: a plain decode of a few ids, found clean
-    few = None if gpu or guard.config.backend is Backend.TRITON else \
+    few = None if gpu or guard.config.backend is Backend.TRITON or "map" not in checks else \
         stepmap.check_decode(guard, runner, batch, pool, loc, high)
     if few is not None:
         passed, mapped = None, True
         if not guard.config.finite:  # the layers that write with these very ids find them first
             calls.hot = (pool, loc, loc)
-        ownids.remember(guard, pool, loc, None, few)
     else:
-        passed, mapped, few = _check_writes(guard, runner, batch, pool, loc, high, capturing)
-        if mapped:
-            ownids.remember(guard, pool, loc, passed, few)
+        passed, mapped, few = _check_writes(guard, runner, batch, pool, loc, high, capturing, "map" in checks)
+    if mapped and "ownids" in checks:
+        ownids.remember(guard, pool, loc, passed, few)
     _count(guard, pool, mapped)
     # after the owner claims of this step's writes; on the releases whose step layouts the write map knows
-    if guard.config.liveness and not capturing and stepmap.WRITE_MAP_OFF is None:
+    if "reads" in checks and not capturing and stepmap.WRITE_MAP_OFF is None:
         reads.check_reads(guard, runner, batch, pool, high)
     return passed
 
@@ -121,10 +121,10 @@ def _unshadowed(guard: Guard, pool: Any) -> None:
 
 
 def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int,
-                  capturing: bool) -> tuple[Optional[torch.Tensor], bool, Optional[list]]:
+                  capturing: bool, mapping: bool) -> tuple[Optional[torch.Tensor], bool, Optional[list]]:
     """(the cleaned ids or None, whether the write map checked them, the checked ids
-    as a list where the host check read a few)."""
-    mapped = None if capturing else stepmap.check_step(guard, runner, batch, pool, high)  # a capture: no host values
+    as a list where the host check read a few). `mapping`: the map check is on."""
+    mapped = None if capturing or not mapping else stepmap.check_step(guard, runner, batch, pool, high)
     if mapped is None:  # bounds and liveness alone
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
         return None, False, None

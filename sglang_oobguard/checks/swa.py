@@ -79,8 +79,9 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
     spec = SWA_METHODS[target.method]
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        if type(instance).__name__ not in SWA_CHECKED or instance.__dict__.get("_swa_req_ring"):
-            return wrapped(*args, **kwargs)  # a per-request SWA ring: no paged SWA peers
+        if type(instance).__name__ not in SWA_CHECKED or instance.__dict__.get("_swa_req_ring") or \
+                "swa" not in guard.config.checks:
+            return wrapped(*args, **kwargs)  # a per-request SWA ring: no paged SWA peers; or the check off
         calls = guard.calls
         outer = calls.freeing
         if outer is not None and outer[0] is instance and outer[1] == FAMILY:

@@ -194,7 +194,7 @@ def make_hook(kind: str, guard: Guard, wrap_send: Callable[[type], None]) -> Cal
             guard.internal_error(f"KV transfer {kind}", exc)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        if not guard.config.liveness:
+        if "pd" not in guard.config.checks:  # (pd needs liveness: `model.switches.NEEDS`)
             return wrapped(*args, **kwargs)
         if kind == "send":
             quietly(lambda: send(guard, instance, *args, **kwargs))

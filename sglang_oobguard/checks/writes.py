@@ -217,7 +217,7 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     stored = values.parts(value_at, args, kwargs)
                     pending = values.check_values(guard, instance, site, loc, high(instance),
                                                   lambda: _layer_id(instance, args, kwargs, found), stored)
-            if door_site is not None:
+            if door_site is not None and "swa" in guard.config.checks:
                 args, kwargs = swa.check_door(guard, instance, door_site, args, kwargs, head_at, head_name,
                                               _layer_id(instance, args, kwargs, found))
                 head = argument(args, kwargs, head_at, head_name)

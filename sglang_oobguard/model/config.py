@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, TypeVar
 
+from . import switches
+
 
 class ConfigError(ValueError):
     """An environment variable or argument holds a value the guard does not accept."""
@@ -59,6 +61,7 @@ LIVENESS_VAR = "SGLANG_OOBGUARD_LIVENESS"
 FINITE_VAR = "SGLANG_OOBGUARD_FINITE"
 REPORT_DIR_VAR = "SGLANG_OOBGUARD_REPORT_DIR"
 OWN_TIME_VAR = "SGLANG_OOBGUARD_OWN_TIME"
+CHECKS_VAR = "SGLANG_OOBGUARD_CHECKS"
 
 # sglang's EnvBool rules (sglang/srt/environ.py), any case.
 _TRUE = ("true", "1", "yes", "y")
@@ -77,6 +80,17 @@ class Config:
     own_time: Optional[str] = None  # a benchmark's folder: each process keeps its own time there (`owntime`)
     upstream_probe: bool = False  # SGLANG_ENABLE_ASYNC_ASSERT is on: sglang's own probe runs in its methods
     finite: bool = False  # also check that the values a write stores are finite (README, "What it catches")
+    # the checks on (`switches.CHECKS` names): SGLANG_OOBGUARD_CHECKS over the aliases; None: the aliases'
+    checks: Optional[frozenset] = None
+    switched_off: frozenset = frozenset()  # the checks SGLANG_OOBGUARD_CHECKS turned off (the aliases' set less it)
+
+    def __post_init__(self) -> None:
+        """`checks` and the older fields say the same: the fields follow the switch when it is given."""
+        if self.checks is None:
+            object.__setattr__(self, "checks", switches.default(self.liveness, self.finite))
+        else:
+            object.__setattr__(self, "liveness", "liveness" in self.checks)
+            object.__setattr__(self, "finite", "finite" in self.checks)
 
     @property
     def active(self) -> bool:
@@ -170,11 +184,16 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
         mode = Mode.STRICT
     else:
         mode = default
-    for deeper, asked in ((LIVENESS_VAR, liveness), (FINITE_VAR, finite)):
+    raw_checks = _get(env, CHECKS_VAR)
+    for deeper, asked in ((LIVENESS_VAR, liveness), (FINITE_VAR, finite), (CHECKS_VAR, raw_checks is not None)):
         if asked and mode is Mode.OFF and explicit is not Mode.OFF:
             # asked for a deeper check with the guard itself off: never run unguarded quietly
-            raise ConfigError(deeper, _get(env, deeper) or "", "0, or set it with the guard on "
+            raise ConfigError(deeper, _get(env, deeper) or "", ("unset" if deeper == CHECKS_VAR else "0") +
+                              ", or set it with the guard on "
                               f"({ENABLE_VAR}=1 or {MODE_VAR}=strict|raise|warn)")
     on = mode is not Mode.OFF
-    return Config(mode, backend, poll_every, warn_interval, liveness and on, report_dir, own_time, enabled,
-                  finite and on)
+    aliased = checks = switches.default(liveness and on, finite and on)
+    if raw_checks is not None and on:
+        checks = switches.parse(raw_checks, aliased, lambda accepted: ConfigError(CHECKS_VAR, raw_checks, accepted))
+    return Config(mode, backend, poll_every, warn_interval, "liveness" in checks, report_dir, own_time, enabled,
+                  "finite" in checks, checks, aliased - checks)

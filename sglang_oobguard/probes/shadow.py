@@ -56,13 +56,17 @@ class Live(NamedTuple):
         return self._replace(page=1)
 
 
-def new_live(pages: int, page: int, device: torch.device) -> Live:
+def new_live(pages: int, page: int, device: torch.device, owners: bool = True, history: bool = True) -> Live:
+    """A shadow all free; `owners`, `history`: whether the owner check and slot history are on
+    (a table that is off is not kept at all, so no check can read it and nothing writes it)."""
     flags = torch.zeros(pages + 1, dtype=torch.int32, device=device)
-    owner = torch.zeros(pages + 1, dtype=torch.int32, device=device)
-    history = torch.full((3, pages + 1), NONE, dtype=torch.int64, device=device)
-    history[GEN].zero_()
+    owner = torch.zeros(pages + 1, dtype=torch.int32, device=device) if owners else None
+    story = None
+    if history:
+        story = torch.full((3, pages + 1), NONE, dtype=torch.int64, device=device)
+        story[GEN].zero_()
     return Live(flags, page, None if flags.is_cuda else memoryview(flags.numpy()), owner,  # type: ignore[arg-type]
-                history)
+                story)
 
 
 FEW = 32  # up to this many ids, a CPU shadow's pages are worked out in plain Python

@@ -6,27 +6,15 @@ They go to the report file (a `counts` record when the server idles and a final 
 exit: `checks.flush`), to `python -m sglang_oobguard report DIR`, and to one log line at
 exit. A counter is a plain int in a dict: no tensor, no device read.
 
-Standard library only.
+Standard library only (and `model.switches`, which is too).
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Optional
 
-# Every check the guard can run, with what it checks; the order of the exit line and the report.
-CHECKS = {
-    "bounds": "every write's slot ids lie in the pool",
-    "map": "each token of a forward step writes its own slot (req_to_token), none twice, no row twice",
-    "owners": "a slot is written by the request that owns it",
-    "liveness": "writes, frees and hand-outs of slots the allocator does not hold as handed out",
-    "history": "each slot's last allocation and free, named in every report",
-    "reads": "a running request reads a slot given back or handed to another",
-    "ownids": "a layer's write with ids of its own writes only its own tokens' slots",
-    "finite": "a value written is NaN or Inf",
-    "swa": "sliding-window pools: frees in both id spaces, each token's SWA slot",
-    "pd": "PD disaggregation: pages freed while a KV transfer into them is in flight",
-    "hicache": "HiCache loads and backups: their slots, and loads into another request's slot",
-}
+from ..model.switches import CHECKS  # every check the guard can run: the order of the exit line and the report
+
 UNITS = ("steps", "writes", "frees", "allocs", "events", "transfers", "loads", "reports")
 
 

@@ -1,0 +1,102 @@
+"""Switches: one check, one name, one switch (SGLANG_OOBGUARD_CHECKS).
+
+A user who finds one check wrong must be able to turn that one off and keep the
+rest. The list is read left to right: `all`, `name` (on), `+name` (on), `-name`
+(off). A list that starts with `+` or `-` edits the set the older variables ask for
+(`SGLANG_OOBGUARD_LIVENESS=1`, `SGLANG_OOBGUARD_FINITE=1`: `ALIASES`); one that starts
+with `all` or a bare name starts from nothing. A check whose dependency is off is an
+error, never a check that quietly does not run.
+
+Standard library only (read by `config` in every sglang process).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+# Every check the guard can run, with what it catches; the order of the exit line, the report and doctor.
+CHECKS = {
+    "bounds": "every write's slot ids lie in the pool",
+    "map": "each token of a forward step writes its own slot (req_to_token), none twice, no row twice",
+    "owners": "a slot is written by the request that owns it",
+    "liveness": "writes, frees and hand-outs of slots the allocator does not hold as handed out",
+    "history": "each slot's last allocation and free, named in every report",
+    "reads": "a running request reads a slot given back or handed to another",
+    "ownids": "a layer's write with ids of its own writes only its own tokens' slots",
+    "finite": "a value written is NaN or Inf",
+    "swa": "sliding-window pools: frees in both id spaces, each token's SWA slot",
+    "pd": "PD disaggregation: pages freed while a KV transfer into them is in flight",
+    "hicache": "HiCache loads and backups: their slots, and loads into another request's slot",
+}
+
+# What each check reads that another keeps: the read check reads the owner table and each
+# slot's generation (history); ids of a layer's own are compared with the ids the map passed.
+NEEDS = {
+    "owners": ("liveness", "map"),
+    "history": ("liveness",),
+    "reads": ("liveness", "map", "owners", "history"),
+    "ownids": ("map",),
+    "pd": ("liveness",),
+}
+
+# The guard on, nothing else asked for. The SWA door's slot check and HiCache's copies run
+# without liveness (their frees, and the loads' owners, with it): on, as before the switch.
+DEFAULT = frozenset({"bounds", "map", "ownids", "swa", "hicache"})
+ALIASES = {  # the older variables, each a set of checks turned on
+    "liveness": frozenset({"liveness", "history", "owners", "reads", "swa", "pd", "hicache"}),
+    "finite": frozenset({"finite"}),
+}
+ALWAYS = "bounds"
+HELP = ("SGLANG_OOBGUARD_CHECKS: which checks run, a comma list read left to right: all, NAME or +NAME (on), "
+        "-NAME (off); a list that starts with + or - edits the default below, any other starts from nothing "
+        "(e.g. all,-reads; bounds,map; -ownids). Default: unset (the checks below marked on, with those of "
+        "SGLANG_OOBGUARD_LIVENESS=1 and SGLANG_OOBGUARD_FINITE=1 when set). bounds is never off.")
+
+
+def default(liveness: bool, finite: bool) -> frozenset[str]:
+    """The checks of the older variables alone: exactly what they turned on before the switch."""
+    return DEFAULT | (ALIASES["liveness"] if liveness else frozenset()) | (ALIASES["finite"] if finite else frozenset())
+
+
+def parse(raw: str, start: frozenset[str], fail: Callable[[str], Exception]) -> frozenset[str]:
+    """The checks `raw` (SGLANG_OOBGUARD_CHECKS) turns on over `start` (the aliases' set);
+    `fail(accepted)` makes the error for a list the guard does not accept."""
+    items = [item.strip().lower() for item in raw.split(",")]  # any case, as the modes
+    if not items or not all(items):
+        raise fail(_accepted("an empty item"))
+    on = set(start) if items[0][0] in "+-" else set()
+    for item in items:
+        sign, name = (item[0], item[1:].strip()) if item[0] in "+-" else ("+", item)
+        if name == "all":
+            on = set(CHECKS) if sign == "+" else set()
+        elif name not in CHECKS:
+            raise fail(_accepted(f"unknown check {name!r}"))
+        elif sign == "+":
+            on.add(name)
+        else:
+            on.discard(name)
+    if ALWAYS not in on:
+        raise fail(f"a list that keeps {ALWAYS!r} on ({ALWAYS!r} cannot be turned off while the guard is on; "
+                   "SGLANG_OOBGUARD_MODE=off turns the guard off)")
+    missing = [(name, need) for name in CHECKS if name in on for need in NEEDS.get(name, ()) if need not in on]
+    if missing:
+        name, need = missing[0]
+        raise fail(f"a list in which each check's dependencies are on ({name!r} needs {need!r}, which is off: "
+                   f"add '+{need}', or turn {name!r} off with '-{name}')")
+    return frozenset(on)
+
+
+def _accepted(why: str) -> str:
+    return f"a comma list of all, NAME, +NAME, -NAME with NAME one of {', '.join(CHECKS)} (not {why})"
+
+
+def help_lines(defaults: Iterable[str] = DEFAULT) -> list[str]:
+    """One line per check, ASan `help=1` style: name, default, what it catches."""
+    on = set(defaults)
+    lines = []
+    for name, catches in CHECKS.items():
+        alias = next((f"on with SGLANG_OOBGUARD_{key.upper()}=1" for key, names in ALIASES.items() if name in names), "")
+        state = "on" if name in on else alias or "off"
+        needs = f" (needs {', '.join(NEEDS[name])})" if name in NEEDS else ""
+        lines.append(f"  {name:9} default: {state}{needs} - {catches}")
+    return lines
