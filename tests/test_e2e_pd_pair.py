@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from e2e.engine_run import PROMPTS
+from test_e2e_clean import CORE, EVERY, counted
 from e2e.pd_pair import HOW, mooncake_missing, serve_pair, under_ci
 from helpers import needs
 
@@ -32,8 +33,11 @@ def _pair():
         pytest.skip(why)
 
 
-def test_a_prefill_decode_pair_over_mooncake_is_clean_and_unchanged_under_strict_liveness(model, clean, tmp_path):
-    run = serve_pair(model, {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1"}, tmp_path, PROMPTS)
+def test_a_prefill_decode_pair_over_mooncake_is_clean_and_unchanged_under_every_check(model, clean, tmp_path):
+    """The clean matrix's PD pair row (tests/test_e2e_clean.py): every check on, no report, and
+    every check counted work on the two servers together (pd: decode's sends, prefill's sources)."""
+    folder = tmp_path / "reports"
+    run = serve_pair(model, {**EVERY, "SGLANG_OOBGUARD_REPORT_DIR": str(folder)}, tmp_path, PROMPTS)
     assert run.result is not None, run.log[-4000:]
     # the plain engine's tokens: decode's come from the transferred KV (a page missing or wrong changes the
     # second token already); later ones may part where the tiny model's logits nearly tie, as batches differ
@@ -43,3 +47,4 @@ def test_a_prefill_decode_pair_over_mooncake_is_clean_and_unchanged_under_strict
     assert run.log.count("sglang_oobguard active") >= 2 and "PD transfer check on" in run.log
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     assert run.returncode == 0 and not run.leftovers
+    counted(folder, (*CORE, "pd"), "PD pair")
