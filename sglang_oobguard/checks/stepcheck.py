@@ -34,11 +34,16 @@ from ..model.swatargets import full_space
 from ..model.targets import POOL_IDS, POOL_OF_ALLOCATOR
 from ..probes import device
 from ..probes.pools import STATE_ATTR
+from ..report.counts import slot
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, reads, stepmap
 from .calls import memo_key
 from .guard import Guard
 from .writes import check_write
+
+
+BOUNDS_STEPS, LIVENESS_STEPS, MAP_STEPS, OWNERS_STEPS = (slot(c, "steps") for c in ("bounds", "liveness", "map",
+                                                                               "owners"))
 
 
 def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[torch.Tensor]:
@@ -88,15 +93,15 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
 
 def _count(guard: Guard, pool: Any, mapped: bool) -> None:
     """The step's checks, counted: bounds (and liveness) always, the map and owners where it ran."""
-    counts, state = guard.counts, pool.__dict__.get(STATE_ATTR)
+    counts, state = guard.counts.n, pool.__dict__.get(STATE_ATTR)
     live = state is not None and state.live is not None
-    counts.add("bounds", "steps")
+    counts[BOUNDS_STEPS] += 1
     if live:
-        counts.add("liveness", "steps")
+        counts[LIVENESS_STEPS] += 1
     if mapped:
-        counts.add("map", "steps")
+        counts[MAP_STEPS] += 1
         if live and state.live.owner is not None:
-            counts.add("owners", "steps")
+            counts[OWNERS_STEPS] += 1
 
 
 def id_space(runner: Any, pool: Any) -> Any:

@@ -22,12 +22,16 @@ from ..model.violation import is_site_label, site_id
 from ..probes import device, hostscan, kernels
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
 from ..probes.shadow import Live
+from ..report.counts import slot
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, swa, values
 from .calls import CallState, argument, memo_key, replaced
 from .guard import Guard
 
 _TRITON = Backend.TRITON  # (a module global: an enum member's own look-up costs several times more)
+
+
+BOUNDS_WRITES, LIVENESS_WRITES, OWNIDS_WRITES = (slot(c, "writes") for c in ("bounds", "liveness", "ownids"))
 
 
 def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tensor, high: int,
@@ -52,10 +56,10 @@ def check_write(guard: Guard, pool: Any, site: int, param: int, loc: torch.Tenso
         served = _memoized(calls.memo, key, state, loc)
         if served is not None:
             return served
-    counts = guard.counts
-    counts.add("bounds", "writes")
+    counts = guard.counts.n
+    counts[BOUNDS_WRITES] += 1
     if live is not None:
-        counts.add("liveness", "writes")
+        counts[LIVENESS_WRITES] += 1
     if host:
         passed = _scan(guard, state, site, loc, high, layer, lens, live)
         where = -1
@@ -120,7 +124,7 @@ def _on_host_fast(guard: Guard, calls: CallState, pool: Any, loc: torch.Tensor,
     if calls.depth:
         if ownids.covers(guard, pool, loc):  # the common miss: the step's ids, copied
             calls.hot = (pool, loc, loc)
-            guard.counts.add("ownids", "writes")
+            guard.counts.n[OWNIDS_WRITES] += 1
             return loc
         high = high_of(pool)
         key = memo_key(pool, high, 0, loc, None, state.live is not None)
@@ -129,7 +133,7 @@ def _on_host_fast(guard: Guard, calls: CallState, pool: Any, loc: torch.Tensor,
             calls.hot = (pool, loc, served)
         return served
     if state.live is None and hostscan.scan_host(loc, high_of(pool)) is None:
-        guard.counts.add("bounds", "writes")
+        guard.counts.n[BOUNDS_WRITES] += 1
         return loc
     return None
 

@@ -16,44 +16,45 @@ from typing import Iterable, Optional
 from ..model.switches import CHECKS  # every check the guard can run: the order of the exit line and the report
 
 UNITS = ("steps", "writes", "frees", "allocs", "events", "transfers", "loads", "reports")
+_SLOTS = {(check, unit): i for i, (check, unit) in enumerate((c, u) for c in CHECKS for u in UNITS)}
+
+
+def slot(check: str, unit: str) -> int:
+    """The index of (check, unit) in `Counts.n`: a hot path adds there itself (`n[SLOT] += 1`)."""
+    return _SLOTS[check, unit]
 
 
 class Counts:
-    """The process's counters: (check, unit) -> n."""
+    """The process's counters: one int per (check, unit), in a list (an index and an add
+    are the cheapest Python counter: the write path pays for it on every write)."""
 
-    __slots__ = ("by", "filed")
+    __slots__ = ("n", "filed")
 
     def __init__(self) -> None:
-        self.by: dict[tuple[str, str], int] = {}
-        self.filed: dict[tuple[str, str], int] = {}  # as last filed
+        self.n = [0] * len(_SLOTS)
+        self.filed = list(self.n)  # as last filed
 
     def add(self, check: str, unit: str, n: int = 1) -> None:
-        key = (check, unit)
-        self.by[key] = self.by.get(key, 0) + n
+        self.n[_SLOTS[check, unit]] += n
 
     def changed(self) -> bool:
         """Whether anything was counted since the last `filing`."""
-        return self.by != self.filed
+        return self.n != self.filed
 
     def filing(self, on: Iterable[str]) -> dict[str, dict[str, int]]:
         """The snapshot to file now (and remember as filed)."""
-        self.filed = dict(self.by)  # one C-level copy: the idle flusher's thread files while steps count
+        self.filed = list(self.n)  # one C-level copy: the idle flusher's thread files while steps count
         return self.snapshot(on, self.filed)
 
-    def snapshot(self, on: Iterable[str] = (), of: Optional[dict[tuple[str, str], int]] = None) -> dict[str, dict[str, int]]:
+    def snapshot(self, on: Iterable[str] = (), of: Optional[list[int]] = None) -> dict[str, dict[str, int]]:
         """check -> {unit: n}: every check that is `on` (zeros included: a check that never
-        ran shows so) or counted anything."""
-        out: dict[str, dict[str, int]] = {check: {} for check in on}
-        for (check, unit), n in sorted((self.by if of is None else of).items(), key=lambda item: _order(item[0])):
-            out.setdefault(check, {})[unit] = n
-        return {check: out[check] for check in sorted(out, key=lambda c: _order((c, "")))}
-
-
-def _order(key: tuple[str, str]) -> tuple[int, int]:
-    check, unit = key
-    names = list(CHECKS)
-    return (names.index(check) if check in CHECKS else len(names),
-            UNITS.index(unit) if unit in UNITS else len(UNITS))
+        ran shows so) or counted anything, in CHECKS' order."""
+        values = self.n if of is None else of
+        out: dict[str, dict[str, int]] = {check: {} for check in CHECKS if check in set(on)}
+        for (check, unit), i in _SLOTS.items():
+            if values[i]:
+                out.setdefault(check, {})[unit] = values[i]
+        return {check: out[check] for check in CHECKS if check in out}
 
 
 def line(snapshot: dict[str, dict[str, int]]) -> str:
