@@ -73,3 +73,26 @@ def test_counts_are_filed_when_the_scheduler_idles_and_at_exit(tmp_path):
         summary = report(folder)
         assert "checked (all processes): bounds: 0 steps" not in summary.stdout
         assert "checked (all processes): bounds: 1 writes" in summary.stdout, summary.stdout
+
+
+def test_while_steps_run_counts_are_filed_at_most_once_a_second(mp, guard, monkeypatch, tmp_path):
+    """A scheduler that sglang kills right after its last step keeps what it counted up to its
+    last filing: at a step's end, once COUNTS_EVERY_S has passed and something changed."""
+    from sglang_oobguard.checks import flush
+
+    monkeypatch.setenv("SGLANG_OOBGUARD_REPORT_DIR", str(tmp_path))
+    guard("strict")
+    active = sglang_oobguard.activate.instrument._active.guard
+    pool = mha(mp, 64)
+    k = torch.ones(1, 2, 4)
+    from helpers import Layer
+
+    filed = lambda: [json.loads(line) for path in tmp_path.iterdir() for line in path.read_text().splitlines()
+                     if '"counts"' in line]
+    for _ in range(3):  # three step ends within a second: one filing
+        pool.set_kv_buffer(Layer(0), torch.tensor([5]), k, k)
+        flush.file_counts_while_busy(active)
+    assert [record["counts"]["bounds"] for record in filed()] == [{"writes": 1}]
+    active.counts.due = 0.0  # a second later
+    flush.file_counts_while_busy(active)
+    assert [record["counts"]["bounds"] for record in filed()] == [{"writes": 1}, {"writes": 3}]

@@ -15,9 +15,10 @@ next step, and are covered here:
 - process exit (atexit), shutdown and uninstall: `flush(guard)` waits for each record's copies
   (an event synchronize) and publishes what they read.
 
-The same two moments file what each check did (`report.counts`): a `counts` record when
-the server idles after new work (a server's schedulers are killed, not exited), a final
-one and one log line at exit.
+The same moments file what each check did (`report.counts`): a `counts` record at a
+step's end at most once a second, when the server idles after new work (a server's
+schedulers are killed, not exited: the last second before a kill can be lost), a final one
+and one log line at exit.
 - before the report folder is read in this process: the pytest plugin's
   sessionfinish calls check() (which flushes); `python -m sglang_oobguard report`
   runs in another process and reads what the guarded processes filed: their idle
@@ -105,6 +106,18 @@ def at_shutdown(guard: Guard) -> None:
         flush(guard)
     except Exception as exc:  # e.g. a CUDA error after a device-side assert
         logger.error("sglang_oobguard: flush at shutdown failed: %s: %s", type(exc).__name__, exc)
+
+
+COUNTS_EVERY_S = 1.0  # while steps run, counts are filed at most this often
+
+
+def file_counts_while_busy(guard: Guard) -> None:
+    """At a step's end, at most once a COUNTS_EVERY_S: a scheduler killed while busy, or
+    before its idle method runs again (sglang's shutdown), keeps what it counted until then."""
+    now = time.monotonic()
+    if now >= guard.counts.due:
+        guard.counts.due = now + COUNTS_EVERY_S
+        file_counts(guard)
 
 
 def file_counts(guard: Guard, final: bool = False) -> None:

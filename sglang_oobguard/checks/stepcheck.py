@@ -38,6 +38,7 @@ from ..report.counts import slot
 from ..report.reporter import KVOutOfBoundsError
 from . import ownids, reads, stepmap
 from .calls import memo_key
+from .flush import file_counts_while_busy
 from .guard import Guard
 from .writes import check_write
 
@@ -153,6 +154,8 @@ def step_end(guard: Guard) -> None:
     if guard.polled.data:
         for state in list(guard.polled):
             state.record.start_copy()
+    if guard.reporter.file is not None:
+        file_counts_while_busy(guard)
 
 
 def make_forward_hook(guard: Guard, pool_attr: str) -> Any:

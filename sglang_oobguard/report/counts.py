@@ -2,8 +2,8 @@
 
 A sanitizer that is silent must prove it looked. Per check, the work it did (steps,
 writes, frees, hand-outs, allocator events, transfers, loads) and the reports it made.
-They go to the report file (a `counts` record when the server idles and a final one at
-exit: `checks.flush`), to `python -m sglang_oobguard report DIR`, and to one log line at
+They go to the report file (a `counts` record at most once a second while steps run, when
+the server idles, and a final one at exit: `checks.flush`), to `python -m sglang_oobguard report DIR`, and to one log line at
 exit. A counter is a plain int in a dict: no tensor, no device read.
 
 Standard library only (and `model.switches`, which is too).
@@ -28,11 +28,12 @@ class Counts:
     """The process's counters: one int per (check, unit), in a list (an index and an add
     are the cheapest Python counter: the write path pays for it on every write)."""
 
-    __slots__ = ("n", "filed")
+    __slots__ = ("n", "filed", "due")
 
     def __init__(self) -> None:
         self.n = [0] * len(_SLOTS)
         self.filed = list(self.n)  # as last filed
+        self.due = 0.0  # time.monotonic() of the next filing while steps run (`checks.flush.file_counts`)
 
     def add(self, check: str, unit: str, n: int = 1) -> None:
         self.n[_SLOTS[check, unit]] += n
