@@ -286,6 +286,10 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
     except Exception as exc:  # what the engine reports to its caller
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        if os.environ.get("SGLANG_OOBGUARD_REPORT_DIR"):  # a server idles before it is stopped: the schedulers'
+            import time  # idle method files their counts (sglang's shutdown kills them; tests/test_e2e_clean.py)
+
+            time.sleep(1.5)
         engine.shutdown()
     print("RESULT " + json.dumps(result), flush=True)
     return 0
