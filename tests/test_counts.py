@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import sglang_oobguard
@@ -59,6 +60,10 @@ os._exit(0) if {killed} else None
 
 def test_counts_are_filed_when_the_scheduler_idles_and_at_exit(tmp_path):
     """A killed scheduler (sglang's shutdown) leaves its idle record; an exit adds the final one."""
+    try:
+        import sglang.srt.managers.scheduler  # noqa: F401
+    except Exception as exc:  # the older cells' venvs hold the pools' dependencies, not the scheduler's
+        pytest.skip(f"sglang's scheduler does not import here: {type(exc).__name__}: {exc}")
     for killed in (True, False):
         folder = tmp_path / f"killed-{killed}"
         done = run_python(ENGINE_LIKE.format(ids=[5, 6], killed=killed),
