@@ -121,14 +121,18 @@ def file_counts_while_busy(guard: Guard) -> None:
 
 
 def file_counts(guard: Guard, final: bool = False) -> None:
-    """File what each check did since the last filing (final: always, and the exit line)."""
-    if not (final or guard.counts.changed()):
-        return
-    snapshot = guard.counts.filing(checks_on(guard.config))
-    if guard.reporter.file is not None:
-        guard.reporter.file.counts(snapshot, final)
-    if final:
-        info_at_exit("sglang_oobguard: checked in this process (pid %d): %s", os.getpid(), counts.line(snapshot))
+    """File what each check did since the last filing (final: always, and the exit line).
+    Called from a step's end, sglang's idle method and exit: it never raises into them."""
+    try:
+        if not (final or guard.counts.changed()):
+            return
+        snapshot = guard.counts.filing(checks_on(guard.config))
+        if guard.reporter.file is not None:
+            guard.reporter.file.counts(snapshot, final)
+        if final:
+            info_at_exit("sglang_oobguard: checked in this process (pid %d): %s", os.getpid(), counts.line(snapshot))
+    except Exception as exc:
+        guard.internal_error("filing the counts", exc)
 
 
 def make_idle_hook(guard: Guard) -> Any:
@@ -136,10 +140,7 @@ def make_idle_hook(guard: Guard) -> Any:
 
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
-        try:
-            file_counts(guard)
-        except Exception as exc:
-            guard.internal_error("counts at idle", exc)
+        file_counts(guard)
         return result
 
     return wrapper
@@ -149,10 +150,7 @@ def at_exit() -> None:
     """Process exit: flush every live guard, and file its counts."""
     for guard in list(_guards):
         at_shutdown(guard)
-        try:
-            file_counts(guard, final=True)
-        except Exception as exc:
-            logger.error("sglang_oobguard: counts at exit failed: %s: %s", type(exc).__name__, exc)
+        file_counts(guard, final=True)
 
 
 def idle_tick(guard: Guard, seen: dict) -> None:
