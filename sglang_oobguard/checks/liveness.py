@@ -37,6 +37,7 @@ from ..probes.pools import LIVE_ATTR, PoolState
 from ..report.reporter import KVOutOfBoundsError
 from . import claims, transfer
 from .guard import Guard
+from .unit import Unit
 
 BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup_state() saw it
 
@@ -314,7 +315,9 @@ def _start(guard: Guard, allocator: Any) -> None:
     else:
         _update(state, shadow.clear)
     guard.mark(allocator, LIVE_ATTR, state)
-    guard.transfers.forget(state)
+    book = guard.held.get("pd")  # PD's transfers in flight (`checks.transfer`): none into a cleared pool
+    if book is not None:
+        book.forget(state)
     allocator.__dict__.pop(BACKUP_ATTR, None)
 
 
@@ -330,3 +333,13 @@ def _warm_up_frees(guard: Guard, state: PoolState, cls: type) -> None:
         for dtype in (torch.int64, torch.int32):
             kernels.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor,
                                 guard.steps.counter(state.device), live, guard.message(site) if strict else None)
+
+
+def allocator_wrapper(target: AllocatorMethod, guard: Guard) -> Optional[Callable[..., Any]]:
+    """The wrapper of a tracked allocator method of the token and paged families."""
+    return make_wrapper(target, guard) if isinstance(target.role, Role) else None
+
+
+UNIT = Unit("liveness", "writes, frees and hand-outs of slots the allocator does not hold as handed out",
+            "per allocator call and per write: O(ids)", ("steps", "writes", "frees", "allocs"),
+            "the tracked allocators' methods; every guarded write and forward step", allocators=allocator_wrapper)

@@ -10,7 +10,9 @@ from typing import Any, Optional
 
 import torch
 
+from ..model.targets import write_map_off
 from ..probes.record import Kind
+from .unit import Found, Unit
 
 
 def find_owner(req_to_token: torch.Tensor, rows: Any, rids: Optional[list], slot: int, lengths: Any = None,
@@ -75,3 +77,12 @@ def named(table: torch.Tensor, rows: torch.Tensor, rids: Optional[list], kind: i
         if found is not None:
             fields["owner"], fields["owner_token"] = found
     return fields
+
+
+def doctor(found: Found) -> list[str]:
+    return ["the owner and read checks read the shadow of the ids req_to_token holds (an SWA pool's: its full "
+            "sub-pool's); a step pool no shadow holds: both off, said once in the log (WARNING)"]
+
+
+UNIT = Unit("owners", "a slot is written by the request that owns it", "per step: O(tokens)", ("steps",),
+            "the forward step, with the liveness shadow's owner table", where=write_map_off, doctor=doctor)
