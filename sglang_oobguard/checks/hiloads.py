@@ -137,8 +137,9 @@ def check(guard: Guard, device_pool: Any, site: int, host_ids: Any, ids: torch.T
             guard.internal_error("HiCache load naming", exc)
             where = {}
         count = int(bad.sum())
-        record = Record(count, 1, site, layer, live.high, count, flat.size, pos, int(flat[pos]), guard.steps.number,
-                        Kind.HELD, owner=int(owner[pos]) - 1)
+        record = Record.ownership(site=site, layer=layer, high=live.high, numel=flat.size, bad=count, pos=pos,
+                                  value=int(flat[pos]), step=guard.steps.number, kind=Kind.HELD,
+                                  owner=int(owner[pos]) - 1)
         guard.report_now(state, record, **where)
         passed = ids.clone()
         passed.view(-1)[torch.from_numpy(bad)] = 0

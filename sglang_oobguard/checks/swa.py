@@ -169,8 +169,9 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
         kind = Kind.DOUBLE_FREE if 0 <= value < live.high else Kind.BOUNDS
     count = int(either.sum())
     site = free_site_id(f"{method} ({type(allocator).__name__})", "free_index")
-    record = Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number, kind,
-                    expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
+    record = Record.bad_ids(site=site, high=live.high, numel=flat.numel(), bad=count, pos=pos, value=value,
+                            step=guard.steps.number, kind=kind,
+                            expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
     guard.report_now(state, record, **sides(guard, full_slots_of(None, value, page) if value >= 0 else []))
     if spec.segment:
         chunks = torch.arange(flat.numel()) // page  # a page with a bad id stays out whole
@@ -249,8 +250,9 @@ def _check_door_host(guard: Guard, pool: Any, site: int, args: tuple, kwargs: di
     slot = int(ids[pos])
     kind = Kind.SWA_OTHER if wrong[pos] else Kind.DUPLICATE
     count = int(bad.sum())
-    record = Record(count, 1, site, layer_id, int(sub.size) + int(sub.page_size), count, ids.size, pos, slot,
-                    guard.steps.number, kind, expected=int(expected[pos]))
+    record = Record.ownership(site=site, layer=layer_id, high=int(sub.size) + int(sub.page_size), numel=ids.size,
+                              bad=count, pos=pos, value=slot, step=guard.steps.number, kind=kind,
+                              expected=int(expected[pos]))
     guard.report_now(state, record, **_owner(guard, record, full, ids, table, pos))
     clean = torch.from_numpy(np.where(bad, 0, ids)).view(swa_loc.shape).to(swa_loc.dtype)
     return replaced(args, kwargs, position, name, len(args) > position, dataclasses.replace(value, swa_loc=clean))

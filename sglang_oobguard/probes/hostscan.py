@@ -33,7 +33,8 @@ class Finding(NamedTuple):
         """This call as a record of its own (what `record.fold_host` folds in)."""
         outside = self.value < 0 or self.value >= high
         kind = Kind.BOUNDS if outside else (Kind.DOUBLE_FREE if free else Kind.FREED)
-        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value, step, kind)
+        return Record.bad_ids(site=site, layer=layer, high=high, numel=numel, bad=self.bad, pos=self.pos,
+                              value=self.value, step=step, kind=kind)
 
 
 def _written(loc: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
