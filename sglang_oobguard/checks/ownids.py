@@ -126,10 +126,7 @@ def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, laye
     record = Record.ownership(site=site, layer=layer(), high=high, numel=ids.size, bad=count, pos=first, value=value,
                               step=guard.steps.number, kind=Kind.NOT_STEP)
     where: dict[str, Any] = {}
-    seen = guard.steps.find(guard.steps.number)
-    if seen is not None and seen.pool_indices is not None:
-        found = owners.find_owner(seen.runner.req_to_token_pool.req_to_token, seen.pool_indices[:seen.batch_size],
-                                  seen.rids, value)
-        if found is not None:
-            where["owner"], where["owner_token"] = found
+    found = owners.holder(owners.of_step(guard.steps.find(guard.steps.number)), value)
+    if found is not None:
+        where["owner"], where["owner_token"] = found
     guard.report_now(state, record, **where)

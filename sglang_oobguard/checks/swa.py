@@ -37,7 +37,7 @@ from ..probes.shadow import Live
 from .claims import SWA_OF_ATTR, full_slots_of, sides
 from .guard import Guard
 from .liveness import Call, checked, counted
-from .owners import find_owner
+from . import owners
 from .calls import argument, replaced
 
 FAMILY = "swa"  # the free family an outer SWA free marks, so its inner halves are not checked again
@@ -115,13 +115,13 @@ def _peers(allocator: Any, ids: torch.Tensor) -> Optional[tuple[np.ndarray, np.n
 def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec: SwaMethod) -> bool:
     """The fast answer for a clean free, in numpy over the shadow's and the mapping's memory:
     True when no id can be bad; False means "check it in full"."""
-    if live.host is None or not ids.size or ids.min() < 0 or ids.max() >= live.high:
+    if live.host is None or not ids.size:
         return False
-    if spec.full:
-        if not np.frombuffer(live.host, dtype=np.int32)[ids // live.page].all():
-            return False
-        if live.page == 1 and np.unique(ids).size != ids.size:
-            return False
+    looked = hostscan.look_up(ids, live)
+    if not (looked.live if spec.full else looked.inside).all():  # the full ids go back too: live
+        return False
+    if spec.full and live.page == 1 and np.unique(ids).size != ids.size:
+        return False
     peers = mapping[ids]
     if spec.role is SwaRole.FREE_FULL:
         return not peers.any()
@@ -269,8 +269,5 @@ def _owner(guard: Guard, record: Record, full: np.ndarray, ids: np.ndarray, tabl
         return {"owner": other.get("request"), "owner_token": other.get("token")}
     seen = guard.steps.find(record.step) if record.step >= 0 else None
     peers = [int(f) for f in np.flatnonzero(table[:-1] == ids[pos]) if f != full[pos]]
-    if seen is None or seen.pool_indices is None or not peers:
-        return {"owner": None, "owner_token": None}
-    found = find_owner(seen.runner.req_to_token_pool.req_to_token, seen.pool_indices[:seen.batch_size], seen.rids,
-                       peers[0])
+    found = owners.holder(owners.of_step(seen), peers[0]) if peers else None
     return {"owner": found[0] if found else None, "owner_token": found[1] if found else None}

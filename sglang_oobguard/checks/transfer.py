@@ -27,6 +27,7 @@ from ..model.config import Mode
 from ..model.log import logger
 from ..model.swatargets import SWA_CHECKED, SWA_STATE_PAGES, full_space
 from ..model.violation import Kind, site_id
+from ..probes import hostscan
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
 from ..report.reporter import KVOutOfBoundsError
@@ -94,11 +95,10 @@ def check_pages(guard: Guard, state: PoolState, label: str, pages: np.ndarray, o
     assert state.live is not None
     guard.counts.add("pd", "transfers")
     high = state.live.pages
-    flags = state.live.flags.cpu().numpy()
-    inside = (pages >= 0) & (pages < high)
+    inside, _, live, _ = hostscan.look_up(pages, state.live.as_pages())
     kinds = np.full(pages.shape, -1)
     kinds[~inside] = Kind.BOUNDS
-    kinds[(kinds < 0) & (flags[np.where(inside, pages, high)] == 0)] = Kind.FREED
+    kinds[inside & ~live] = Kind.FREED
     expected = np.full(pages.shape, -1)
     if own_row:
         kinds[(kinds < 0) & ~np.isin(pages, own)] = Kind.OTHER_REQUEST
