@@ -58,8 +58,8 @@ def look_up(ids: np.ndarray, live: Live, high: Optional[int] = None, low: int = 
     handed = inside & (flags.take(page) != 0)
     gen = None
     if generation:
-        gen = live.history[GEN].cpu().numpy().take(page) if live.history is not None else np.zeros(page.shape,
-                                                                                                    np.int64)
+        gens = live.history[GEN].cpu().numpy() if live.history is not None else np.zeros(flags.size, np.int64)
+        gen = gens.take(page)
     return Looked(inside, page, handed, gen)
 
 
