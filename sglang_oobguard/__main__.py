@@ -23,10 +23,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return summary.run(args.folder, args.json)
     if args.command == "help":
+        from .checks.registry import UNITS
         from .model import switches
 
         print(switches.HELP)
-        print("\n".join(switches.help_lines()))
+        print("\n".join(switches.help_lines({unit.name: unit.catches for unit in UNITS})))
         return 0
     if args.command == "demo":
         from . import demo

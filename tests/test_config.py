@@ -152,6 +152,9 @@ def test_all_and_minus_apply_left_to_right_and_keep_the_old_fields_true():
     cfg = from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads"})
     assert cfg.checks == set(NAMES) - {"reads"} and cfg.liveness and cfg.finite
     assert cfg.switched_off == {"reads"}  # what doctor and the activation line call off by the switch
+    assert from_env({**ON, "SGLANG_OOBGUARD_CHECKS": "all,-reads"}).switched_off == {"reads"}  # not the aliases'
+    assert from_env({**ON, "SGLANG_OOBGUARD_CHECKS": "bounds"}).switched_off == set(NAMES) - {"bounds"}
+    assert from_env({**ON, "SGLANG_OOBGUARD_CHECKS": "-ownids"}).switched_off == {"ownids"}  # reads: off by the alias
     assert checks({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads,+reads"}) == set(NAMES)
     assert checks({**ON, "SGLANG_OOBGUARD_CHECKS": "-all,bounds"}) == {"bounds"}
 
@@ -201,10 +204,11 @@ def test_the_switch_without_the_guard_is_an_error_and_explicit_off_wins():
 
 
 def test_checks_on_reads_the_switch():
-    from sglang_oobguard.checks.guard import checks_on
+    from sglang_oobguard.checks.guard import Guard
+    from sglang_oobguard.checks.registry import UNITS
     from sglang_oobguard.model.targets import write_map_off
 
-    on = checks_on(from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads,-finite"}))
+    on = Guard(from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads,-finite"}), UNITS).checks_on()
     assert "reads" not in on and "finite" not in on and {"bounds", "liveness", "history"} <= set(on)
     if write_map_off() is None:
         assert {"map", "owners", "ownids"} <= set(on)

@@ -18,10 +18,10 @@ from test_report_dir import report
 
 
 def test_every_kind_of_report_belongs_to_a_check():
-    from sglang_oobguard.report.counts import CHECKS
+    from sglang_oobguard.model.switches import NAMES
 
     assert {kind.name.lower() for kind in Kind} == set(CHECK_OF)
-    assert set(CHECK_OF.values()) <= set(CHECKS)
+    assert set(CHECK_OF.values()) <= set(NAMES)
 
 
 def test_writes_frees_hand_outs_and_reports_are_counted_per_check(mp, guard):

@@ -76,19 +76,19 @@ def test_doctor_lists_version_activation_mode_and_every_write_method(tmp_path):
             assert state == f"found in {module}", method
         # 0.4.x: doctor's fresh interpreter may not import what this one (with the tests' shims) does
         assert any(f"{owner}.{method}" in line and (state in line or "not importable here" in line and
-                                                    SGLANG.startswith("0.4.")) for line in sections["KV transfers"]), method
+                                                    SGLANG.startswith("0.4.")) for line in sections["checks"]), method
     assert "the transfer engine's RDMA write itself is not observable" in out
     assert "the fake backend (and any with the deferred release off) gives no drain signal" in out
     for module, owner, method, what in written.HICACHE_COPIES:  # the HiCache check: each host pool's load and backup
         here = _defines(module, owner, method)
         assert not LATEST or here, method
         assert any(f"{owner}.{method}" in line and what in line and (f"found in {module}" if here else "ABSENT") in line
-                   for line in sections["HiCache"]), method
+                   for line in sections["checks"]), method
     for module, owner, method in written.HICACHE_LOADS:  # the holder check: what each load is for
         here = _defines(module, owner, method)
         assert not LATEST or here, method
         assert any(f"{owner}.{method}" in line and (f"found in {module}" if here else "ABSENT") in line
-                   for line in sections["HiCache"]), method
+                   for line in sections["checks"]), method
     assert "KV transfers (PD disaggregation, sglang 0.5.21+" in out and "HiCache (sglang 0.5.16+" in out
 
 
@@ -242,13 +242,19 @@ def test_doctor_lists_every_check_with_its_state():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("checks (each counts its work"))
-    states = [line.split(" - ")[0].strip() for line in lines[start + 1:start + 12]]
+    end = next(i for i, line in enumerate(lines) if i > start and not line.startswith("  "))
+    states = [line.split(" - ")[0].strip() for line in lines[start + 1:end] if not line.startswith("    ")]
     mapped = "on" if SGLANG == "0.5.23" else f"off ({write_map_off()})"
+    pd = "with liveness, where sglang runs PD disaggregation" if has("DecodePreallocQueue._send_kv_metadata") else \
+        "off (this sglang has no DecodePreallocQueue._send_kv_metadata or SchedulerDisaggregationPrefillMixin." \
+        "_send_kv_chunk (sglang 0.5.21+))"
+    hicache = "with liveness, where sglang runs HiCache" if has("MHATokenToKVPoolHost.load_to_device_per_layer") else \
+        "off (this sglang has no MHATokenToKVPoolHost.load_to_device_per_layer or MLATokenToKVPoolHost." \
+        "load_to_device_per_layer (sglang 0.5.16+))"
     assert states == ["bounds: on", f"map: {mapped}", f"owners: {mapped}", "liveness: on", "history: on",
                       f"reads: {mapped}", f"ownids: {mapped}", "finite: off (set SGLANG_OOBGUARD_FINITE=1)",
-                      "swa: with liveness, where sglang runs sliding-window models",
-                      "pd: with liveness, where sglang runs PD disaggregation",
-                      "hicache: with liveness, where sglang runs HiCache"], states
+                      "swa: with liveness, where sglang runs sliding-window models", f"pd: {pd}",
+                      f"hicache: {hicache}"], states
 
 
 def test_doctor_says_which_checks_the_switch_turned_off_and_help_lists_every_switch():
@@ -262,13 +268,13 @@ def test_doctor_says_which_checks_the_switch_turned_off_and_help_lists_every_swi
     import io
 
     from sglang_oobguard.__main__ import main
-    from sglang_oobguard.model.switches import CHECKS
+    from sglang_oobguard.model.switches import NAMES
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["help"]) == 0
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("SGLANG_OOBGUARD_CHECKS: which checks run")
-    assert [line.split()[0] for line in lines[1:]] == list(CHECKS)
+    assert [line.split()[0] for line in lines[1:]] == list(NAMES)
     assert any(line.startswith("  reads     default: on with SGLANG_OOBGUARD_LIVENESS=1 (needs liveness, map, owners, "
                                "history) - ") for line in lines)

@@ -85,8 +85,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = imports()
-    assert graph["activate.instrument"] >= {"checks.guard", "checks.writes", "checks.stepcheck", "activate.swahooks"}
-    assert "checks.liveness" in graph["activate.swahooks"]
+    assert graph["activate.instrument"] >= {"checks.guard", "checks.writes", "checks.stepcheck", "checks.registry"}
+    assert "checks.liveness" in graph["checks.swa"]
     assert "probes.device" in graph["checks.writes"]  # `from ..probes import device` is seen
     assert cycles(graph) == []
 
@@ -147,6 +147,40 @@ def test_pyflakes_finds_no_undefined_or_unused_name():
     for path in sorted(PACKAGE.rglob("*.py")):
         checkPath(str(path), found)
     assert found.messages == []
+
+
+def units() -> set[str]:
+    """The modules of checks/ that are a unit: they define `UNIT` at their top level."""
+    return {name for name, path in modules().items() if name.startswith("checks.")
+            and any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "UNIT" for t in node.targets)
+                    for node in ast.parse(path.read_text()).body)}
+
+
+def test_the_guard_imports_no_unit():
+    """The guard is the registry's holder, not a check's: it imports no unit, nor the registry."""
+    found = units()
+    assert len(found) >= 11, found
+    assert not imports()["checks.guard"] & (found | {"checks.registry"}), imports()["checks.guard"]
+
+
+def test_every_unit_is_registered_with_a_switch_and_a_doctor_line():
+    """Every unit is one line of the registry; every registered unit is named by a switch, in its
+    order, and doctor gives it its line (`  name: state - what it catches`)."""
+    from sglang_oobguard.activate.doctor import _check_lines
+    from sglang_oobguard.checks.registry import UNITS
+    from sglang_oobguard.model.config import from_env
+    from sglang_oobguard.model.switches import NAMES
+
+    registry = (PACKAGE / "checks" / "registry.py").read_text()
+    listed = {f"checks.{node.value.id}" for node in ast.walk(ast.parse(registry))
+              if isinstance(node, ast.Attribute) and node.attr == "UNIT" and isinstance(node.value, ast.Name)}
+    assert listed == units()
+    assert tuple(unit.name for unit in UNITS) == NAMES
+    lines = _check_lines(from_env({"SGLANG_ENABLE_ASYNC_ASSERT": "1", "SGLANG_OOBGUARD_CHECKS": "all,-reads"}))
+    for unit in UNITS:
+        line = next(line for line in lines if line.startswith(f"  {unit.name}: "))
+        state = "off (SGLANG_OOBGUARD_CHECKS)" if unit.name == "reads" else line.split(" - ")[0].split(": ", 1)[1]
+        assert line.startswith(f"  {unit.name}: {state} - {unit.catches}; cost: {unit.cost}"), line
 
 
 # -- one of each shared thing -------------------------------------------------------

@@ -50,7 +50,7 @@ def test_a_clean_send_passes_on_and_its_pages_are_in_flight(side):
     s.send(req, slots)
     assert req.kv_receiver.has_sent_metadata  # sglang's send went on
     guard = sglang_oobguard.activate.instrument._active.guard
-    table = next(iter(guard.transfers.tables.values()))  # page -> the key of its transfer in flight
+    table = next(iter(guard.held["pd"].tables.values()))  # page -> the key of its transfer in flight
     assert set(table.nonzero()[0].tolist()) == set(slots.tolist())
 
 
@@ -162,14 +162,14 @@ def test_warn_holds_a_failed_transfers_pages_with_no_drain_signal_for_sglangs_re
     assert violation.no_drain and "may still be in flight (no drain signal)" in str(violation)
     guard = sglang_oobguard.activate.instrument._active.guard
     everything = s.alloc.alloc(before)  # all the allocator has: none of the held pages
-    assert not set(everything.tolist()) & set(slots.tolist()) and guard.transfers.holding()
+    assert not set(everything.tolist()) & set(slots.tolist()) and guard.held["pd"].holding()
     s.alloc.free(everything)
-    guard.transfers.settle()  # as sglang's resolve_deferred_releases runs it: the timeout has not passed
-    assert guard.transfers.holding()
+    guard.held["pd"].settle()  # as sglang's resolve_deferred_releases runs it: the timeout has not passed
+    assert guard.held["pd"].holding()
     time.sleep(0.35)
     with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
-        guard.transfers.settle()
-    assert not guard.transfers.holding() and s.alloc.available_size() == before + TOKENS
+        guard.held["pd"].settle()
+    assert not guard.held["pd"].holding() and s.alloc.available_size() == before + TOKENS
     assert "the backend has no drain signal for the KV transfer of request r0 (bootstrap room 7) after 0 s: " \
         f"the {TOKENS} pages held back go to the free list now" in caplog.text
 
@@ -185,9 +185,9 @@ def test_warn_holds_in_flight_pages_back_and_gives_them_back_when_the_transfer_e
     assert s.alloc.available_size() == before  # held: not on the free list
     assert sglang_oobguard.violations()[0].kind == "in_flight"
     guard = sglang_oobguard.activate.instrument._active.guard
-    assert guard.transfers.holding()
+    assert guard.held["pd"].holding()
     poll(s, req, KVPoll.Success)
-    assert s.alloc.available_size() == before + TOKENS and not guard.transfers.holding()
+    assert s.alloc.available_size() == before + TOKENS and not guard.held["pd"].holding()
     everything = s.alloc.alloc(s.alloc.available_size())  # each slot once on the free list, the held ones back
     assert len(set(everything.tolist())) == everything.numel() and set(slots.tolist()) <= set(everything.tolist())
 
@@ -199,7 +199,7 @@ def test_a_clear_forgets_the_transfers_and_what_was_held(side):
     s.alloc.free(slots)
     s.alloc.clear()
     guard = sglang_oobguard.activate.instrument._active.guard
-    assert not guard.transfers.holding() and not guard.transfers.by_request
+    assert not guard.held["pd"].holding() and not guard.held["pd"].by_request
 
 
 @pytest.fixture
@@ -253,23 +253,31 @@ def test_prefill_source_pages_freed_or_of_another_request_are_reported(prefill, 
 
 
 def test_the_activation_line_says_which_kv_transfer_checks_run_and_from_which_release(guard, caplog):
-    """Read from sglang's files: each hook this release defines (helpers.has asks the classes)."""
+    """Read from sglang's classes (helpers.has asks them too): each feature check this release
+    lacks is named off, with the release it needs; the others run where sglang runs the feature."""
+    import importlib
     import logging
 
-    from sglang_oobguard.activate import kvhooks
-    from sglang_oobguard.model.transfertargets import HICACHE_SINCE, TRANSFER_SINCE
+    from sglang_oobguard.activate import activation
+    from sglang_oobguard.model.transfertargets import HICACHE_POOLS, HICACHE_SINCE, TRANSFER_MODULES, TRANSFER_SINCE
 
+    for module in (*TRANSFER_MODULES, *(module for module, _ in HICACHE_POOLS)):
+        try:
+            importlib.import_module(module)  # as the engine would: the facts come with the import
+        except ImportError:
+            pass  # not in this release
     pd = has("DecodePreallocQueue._send_kv_metadata") and has("SchedulerDisaggregationPrefillMixin._send_kv_chunk")
     hicache = has("MHATokenToKVPoolHost.load_to_device_per_layer")
-    line = kvhooks.releases()
-    assert f"PD transfer check {'on' if pd else 'off'} (sglang {TRANSFER_SINCE}+, with liveness)" in line
-    assert f"HiCache check {'on' if hicache else 'off'} (sglang {HICACHE_SINCE}+;" in line
-    named = " ".join(f"{what} {where}" for what, where in kvhooks.absent())
-    assert ("DecodePreallocQueue._send_kv_metadata" in named) != has("DecodePreallocQueue._send_kv_metadata")
-    assert ("MHATokenToKVPoolHost.load_to_device_per_layer" in named) != hicache
     with caplog.at_level(logging.INFO, logger="sglang_oobguard"):
         guard("warn", liveness=True)
-    assert any("sglang_oobguard active" in r.getMessage() and line in r.getMessage() for r in caplog.records)
+    line = next(r.getMessage() for r in caplog.records if "sglang_oobguard active" in r.getMessage())
+    assert ("pd check on where sglang runs PD disaggregation" in line) == pd, line
+    assert (f"pd check off (this sglang has no DecodePreallocQueue._send_kv_metadata" in line) != pd, line
+    assert f"(sglang {TRANSFER_SINCE}+)" in line or pd
+    assert ("hicache check on where sglang runs HiCache" in line) == hicache, line
+    assert f"(sglang {HICACHE_SINCE}+)" in line or hicache
+    absent = " ".join(activation.absent_hooks())
+    assert ("the pd check (this sglang has no" in absent) != pd and ("the hicache check (" in absent) != hicache
 
 
 def test_an_swa_allocators_transfers_are_checked_on_its_full_sub_allocators_shadow(guard, decode, caplog):

@@ -5,36 +5,42 @@ from __future__ import annotations
 import os
 
 from ..checks import reads
-from ..checks.guard import checks_on
+from ..checks.registry import UNITS
 from ..model import config as config_mod
 from ..model.swatargets import FAMILIES_SHORT
-from ..model.switches import CHECKS
 from ..model.targets import FUSED_WRITERS, STEP_HOOK, UNMAPPED, module_file, write_map_off
-from . import kvhooks
 
 
-def line(config: config_mod.Config, guarded: int, version: str) -> str:
+def line(config: config_mod.Config, guarded: int, version: str, on: tuple[str, ...]) -> str:
     mapped = f"write map off ({write_map_off()})" if write_map_off() else \
         f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})"
     memory = f"; read check memory {reads.MEMORY}" if "reads" in config.checks else ""
     liveness = f"on (tracks {FAMILIES_SHORT}{memory})" if config.liveness else "off"
-    off = [name for name in CHECKS if name in config.switched_off]
+    off = [unit.name for unit in UNITS if unit.name in config.switched_off]
     return (f"sglang_oobguard active (pid {os.getpid()}): mode={config.mode.value}, backend={config.backend.value} "
             f"({config_mod.BACKEND_PATHS[config.backend]}), {guarded} guarded methods (of the pool classes defined so "
             f"far), sglang {version}, liveness={liveness} (owner check {'on' if 'owners' in config.checks else 'off'}), "
-            f"finite={'on' if config.finite else 'off'}, {mapped}, {kvhooks.releases()}; "
-            f"checks on: {', '.join(checks_on(config))}" +
+            f"finite={'on' if config.finite else 'off'}, {mapped}, {features(config)}; "
+            f"checks on: {', '.join(on)}" +
             (f"; off by {config_mod.CHECKS_VAR}: {', '.join(off)}" if off else ""))
 
 
-def absent_hooks() -> list[tuple[str, str]]:
-    """The step check and fused writers whose module this sglang does not ship
-    (read from its files: nothing is imported)."""
+def features(config: config_mod.Config) -> str:
+    """The activation line's words on the checks that run where sglang runs a feature: on, or
+    why not (read from sglang's classes where they are imported; else at their import)."""
+    return ", ".join(f"{unit.name} check " + ("off" if unit.name not in config.checks else f"off ({why})" if why
+                                              else f"on where sglang runs {unit.feature}")
+                     for unit in UNITS if unit.feature for why in [unit.where()])
+
+
+def absent_hooks() -> list[str]:
+    """What this sglang lacks a hook for: the step check and fused writers whose module it
+    does not ship (read from its files), the feature checks whose classes lack their methods."""
     absent = []
     if module_file(STEP_HOOK.module) is None:
-        absent.append((f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method})", STEP_HOOK.module))
-    absent += kvhooks.absent()
-    for writer in FUSED_WRITERS:
-        if all(module_file(module) is None for module in writer.modules):
-            absent.append((writer.label, " or ".join(writer.modules)))
+        absent.append(f"the forward-step check ({STEP_HOOK.owner}.{STEP_HOOK.method}) (no {STEP_HOOK.module} in "
+                      "this sglang)")
+    absent += [f"the {unit.name} check ({why})" for unit in UNITS if unit.feature for why in [unit.where()] if why]
+    absent += [f"{writer.label} (no {' or '.join(writer.modules)} in this sglang)" for writer in FUSED_WRITERS
+               if all(module_file(module) is None for module in writer.modules)]
     return absent

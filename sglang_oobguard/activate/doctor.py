@@ -17,12 +17,9 @@ from ..model.discover import Found, Skipped, allocator_targets, coverage, import
 from ..model.finite import UNSEEN, VALUE_DTYPES, WRITER_VALUES, stored_values
 from ..model.quiet import quiet
 from ..model.swatargets import FAMILIES, UNTRACKED_WHY
-from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, POOL_IDS, STEP_HOOK, SUPPORTED, TESTED, UNMAPPED,
-                             is_supported, module_file, version_of_sglang, write_map_off)
-from ..model.transfertargets import (DRAIN_ARMED, DRAIN_SIGNAL, HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS,
-                                     HICACHE_SINCE, TRANSFER_HOOKS, TRANSFER_SINCE)
+from ..model.targets import (FUSED_WRITERS, MEMORY_POOL, STEP_HOOK, SUPPORTED, TESTED, is_supported, module_file,
+                             version_of_sglang)
 from ..model.violation import site_label
-from ..report.counts import CHECKS
 
 
 def _stored(writer: Any) -> tuple[tuple[int, str], ...]:
@@ -36,25 +33,40 @@ def _stored(writer: Any) -> tuple[tuple[int, str], ...]:
     return WRITER_VALUES.get(writer.function, ())
 
 
-def _print_checks(settings: config.Config) -> None:
-    """One line per check: on or off (and why), and what it catches; each counts its work."""
-    from ..checks.guard import MAPPED
+MEMORY_EXAMPLE = (2**20, 4096, 131072)  # doctor's pool for each check's device memory: pages, rows, context
 
-    features = {"swa": "sliding-window models", "pd": "PD disaggregation", "hicache": "HiCache"}
-    print("checks (each counts its work: the report folder's counts records, `report DIR`, the exit line; "
-          f"{config.CHECKS_VAR} turns each on or off: `python -m sglang_oobguard help`):")
-    for name, catches in CHECKS.items():
-        if name in settings.switched_off:
+
+def _bytes(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def _check_lines(settings: config.Config) -> list[str]:
+    """One line per check (`checks.registry`): its name, on or off and why, what it catches and
+    its cost; then the unit's own lines. Its modules are imported here (inside quiet()), so
+    that what it says of this sglang is read from sglang's classes."""
+    from ..checks.registry import UNITS  # (torch: doctor's first lines need none)
+
+    lines = ["checks (each counts its work: the report folder's counts records, `report DIR`, the exit line; "
+             f"{config.CHECKS_VAR} turns each on or off: `python -m sglang_oobguard help`):"]
+    for unit in UNITS:
+        for module in unit.modules:
+            _found(module, "", "")  # imported, so that `where` reads the classes
+        why = unit.where()
+        if unit.name in settings.switched_off:
             state = f"off ({config.CHECKS_VAR})"
-        elif name not in settings.checks:
-            state = f"off (set {config.FINITE_VAR if name == 'finite' else config.LIVENESS_VAR}=1)"
-        elif name in features:
-            state = f"{'with liveness, ' if settings.liveness else ''}where sglang runs {features[name]}"
-        elif name in MAPPED and write_map_off():
-            state = f"off ({write_map_off()})"
+        elif unit.name not in settings.checks:
+            state = f"off (set {config.FINITE_VAR if unit.name == 'finite' else config.LIVENESS_VAR}=1)"
+        elif why is not None:
+            state = f"off ({why})"
+        elif unit.feature is not None:
+            state = f"{'with liveness, ' if settings.liveness else ''}where sglang runs {unit.feature}"
         else:
             state = "on"
-        print(f"  {name}: {state} - {catches}")
+        memory = "" if unit.memory is None else f"; device memory: {_bytes(unit.memory(*MEMORY_EXAMPLE))} for a pool " \
+            f"of {MEMORY_EXAMPLE[0]} pages and {MEMORY_EXAMPLE[1]} req_to_token rows x {MEMORY_EXAMPLE[2]}, made with them"
+        lines.append(f"  {unit.name}: {state} - {unit.catches}; cost: {unit.cost}{memory}; runs in: {unit.rides}")
+        lines += [f"    {line}" for line in unit.doctor(_found)]
+    return lines
 
 
 def run() -> int:
@@ -69,6 +81,7 @@ def run() -> int:
         with quiet():  # sglang's import-time warnings and logs would land in the middle of the report
             unimported, entries, allocators = _inspect()
             outside = _outside_pools()
+            checks = _check_lines(settings)
     except ModuleNotFoundError as exc:
         print(f"sglang_oobguard doctor: {exc.name} is not installed for {sys.executable}; the guard runs inside "
               "sglang and needs its torch: run doctor with the python that runs sglang")
@@ -93,7 +106,7 @@ def run() -> int:
     print(f"mode: {settings.mode.value} ({state}); backend: {settings.backend.value} "
           f"({config.BACKEND_PATHS[settings.backend]}); "
           f"liveness: {'on' if settings.liveness else f'off (set {config.LIVENESS_VAR}=1 to check it)'}")
-    _print_checks(settings)
+    print("\n".join(checks))
     _print_finite(settings)
     _print_report_dir(settings)
     if isinstance(entries, str):
@@ -121,76 +134,33 @@ def run() -> int:
     return 0
 
 
-def _gib(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB"
+def _found(module: str, owner: str, name: str) -> str:
+    """Whether this sglang defines `owner.name` in `module` (imported here, inside quiet()): a
+    line's last words; `owner` empty: the module's own `name`; `name` empty: the module alone."""
+    if module_file(module) is None:
+        return f"ABSENT (no {module} in this sglang)"
+    try:
+        loaded = importlib.import_module(module)
+    except Exception as exc:  # a module the CPU cannot import: said, not hidden
+        return f"not importable here ({type(exc).__name__}: {str(exc)[:80]})"
+    target = getattr(loaded, owner, None) if owner else loaded
+    return f"found in {module}" if target is not None and (not name or name in vars(target)) else \
+        f"ABSENT ({name} not in {module})"
 
 
 def _outside_pools() -> list[str]:
     """The forward-step check and the fused writers: found in this sglang or not (the
     lines to print; their modules are imported here, inside quiet())."""
-
-    def found(module: str, owner: str, name: str) -> str:
-        if module_file(module) is None:
-            return f"ABSENT (no {module} in this sglang)"
-        try:
-            loaded = importlib.import_module(module)
-        except Exception as exc:  # a module the CPU cannot import: said, not hidden
-            return f"not importable here ({type(exc).__name__}: {str(exc)[:80]})"
-        target = getattr(loaded, owner, None) if owner else loaded
-        return f"found in {module}" if target is not None and name in vars(target) else f"ABSENT ({name} not in {module})"
-
-    from ..checks import reads  # (torch: doctor's first lines need none)
-    from ..probes.readmap import Seen
-
-    lines = ["forward step (one check of out_cache_loc per step, reports at step boundaries):",
+    lines = ["forward step (one check of out_cache_loc per step, reports at step boundaries; the checks that run "
+             "there are listed under checks):",
              f"  {STEP_HOOK.owner + '.' + STEP_HOOK.method:48} "
-             f"{found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
-             "  the write map (each token's slot is req_to_token's; no slot or row twice), the owner check with "
-             f"liveness: {'OFF, ' + write_map_off() if write_map_off() else 'on'}; not checked:",
-             *(f"    {name}: {why}" for name, why in UNMAPPED),
-             "  fused writers that take out_cache_loc themselves are reported, not contained, for ownership",
-             "  a layer's write with ids of its own (not the step's out_cache_loc): one id per token, each its "
-             "token's own slot; another shape, each id a slot of the step's tokens (CPU ids)",
-             "  the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live "
-             "and of the generation it first read (host path on CPU tensors, one launch on a GPU); where the write "
-             "map runs (" + (write_map_off() or "on here") + ")",
-             f"  the read check's memory, with liveness: {reads.MEMORY} as sglang sizes its pools (sglang's "
-             f"budget does not count it), before serving and capture: {_gib(Seen.bytes_for(4096, 131072))} for "
-             f"4096 rows x 131072 context, {_gib(Seen.bytes_for(2048, 131072))} for 2048",
-             "  the owner and read checks read the shadow of the ids req_to_token holds (an SWA pool's: its full "
-             "sub-pool's); a step pool no shadow holds: both off, said once in the log (WARNING)",
-             "  slot history, with liveness: each report names the slot's last free and allocation (step, call "
-             "site) and generation",
+             f"{_found(STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)}",
              "fused writers (KV stores outside the pool methods, checked against their buffer's slots):"]
     for writer in FUSED_WRITERS:
-        states = [found(module, "", writer.function) for module in writer.modules]
+        states = [_found(module, "", writer.function) for module in writer.modules]
         here = next((state for state in states if state.startswith("found")), states[0])
         values = ", ".join(name for _, name in _stored(writer)) or "NOT seen"
         lines.append(f"  {writer.function:48} {writer.ids.names[0]} in [0, {writer.bound}): {here}; values: {values}")
-    from ..checks.hiloads import LOAD_ROLES  # needs torch, as the next
-    from ..checks.transfer import HOOK_ROLES, NO_DRAIN  # needs torch: imported after _inspect checked for it
-
-    lines.append(f"KV transfers (PD disaggregation, sglang {TRANSFER_SINCE}+, with liveness; only the ids are seen, "
-                 "the transfer engine's RDMA write itself is not observable):")
-    for module, owner, method, kind in TRANSFER_HOOKS:
-        lines.append(f"  {owner + '.' + method:48} {HOOK_ROLES[kind]}: {found(module, owner, method)}")
-    lines += [f"  every backend's transfers (mooncake, nixl, mori, ascend, fake); an aborted one ends at the drain "
-              f"signal kv_mgr.{DRAIN_SIGNAL} (armed by {DRAIN_ARMED}), never at sglang's release-anyway timeout;",
-              f"  {NO_DRAIN}; the prefill side's sends are checked where a sender's send is wrapped at its first call"]
-    lines.append(f"HiCache (sglang {HICACHE_SINCE}+: the host pool's copies into and out of device slots, probed like "
-                 "a write of the device pool):")
-    for where, owner in HICACHE_POOLS:
-        for method, what in HICACHE_METHODS:
-            lines.append(f"  {owner + '.' + method:48} {what}: device_indices in [0, {POOL_IDS.rule}), live: "
-                         f"{found(where, owner, method)}")
-    lines.append("  the holder check, with liveness, where the write map runs (" + (write_map_off() or "on here") +
-                 "): a load's slot another running request owns (the owner table) is reported, naming what the load "
-                 "is for:")
-    for where, owner, method, kind in HICACHE_LOAD_HOOKS:
-        lines.append(f"  {owner + '.' + method:48} {LOAD_ROLES[kind]}: {found(where, owner, method)}")
-    lines.append("  not checked: loads on a GPU (the owner table is device memory: no host sync); a slot freed under its "
-                 "request and handed to a load (the read check names its reader); the other host pools (their ids are "
-                 "virtual or paged)")
     return lines
 
 

@@ -16,7 +16,6 @@ import gc
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
@@ -24,7 +23,9 @@ import wrapt
 
 from ..checks import flush, reads
 from . import activation
-from ..checks.guard import Guard, checks_on
+from .patches import MISSING, Patch, Patches
+from ..checks.guard import Guard
+from ..checks.registry import UNITS
 from ..checks.stepcheck import make_forward_hook
 from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
@@ -37,74 +38,18 @@ from ..model.targets import (FUSED_WRITERS, IDLE_HOOK, STEP_HOOK, UPSTREAM_PROBE
                              version_of_sglang)
 from ..model.violation import Violation
 from ..report.files import open_report
-from ..report.owntime import OwnTime
-from . import kvhooks, swahooks
-
-_MISSING = object()
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One attribute we replaced: where, what was there (its own, or _MISSING), and
-    what it stands for in the report (a Found or AllocatorMethod, else None)."""
-
-    owner: Any
-    name: str
-    before: Any
-    entry: Optional[Union[Found, AllocatorMethod]] = None
-
-    def undo(self) -> None:
-        if self.before is _MISSING:
-            delattr(self.owner, self.name)
-        else:
-            setattr(self.owner, self.name, self.before)
-
-
-class Patches:
-    """What the instrumentor replaced, in order, and the one place that puts it back."""
-
-    def __init__(self, own_time: Optional[OwnTime]) -> None:
-        self.made: list[Patch] = []
-        self.own_time = own_time  # set: every wrapper is timed (a benchmark's own-time file)
-
-    @property
-    def entries(self) -> tuple[Union[Found, AllocatorMethod], ...]:
-        return tuple(p.entry for p in self.made if p.entry is not None)
-
-    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any], kind: str,
-             entry: Optional[Union[Found, AllocatorMethod]] = None) -> None:
-        """Wrap `owner.name` once (a second wrap of the same attribute is a no-op);
-        `kind`: the entry point's kind in the own time (`owntime.KINDS`)."""
-        if any(p.owner is owner and p.name == name for p in self.made):
-            return
-        if self.own_time is not None:
-            wrapper = self.own_time.timed(kind, wrapper)
-        before = owner.__dict__.get(name, _MISSING)
-        wrapt.wrap_function_wrapper(owner, name, wrapper)
-        self.made.append(Patch(owner, name, before, entry))
-
-    def of_kind(self, kind: str) -> Callable[[Any, str, Callable[..., Any]], None]:
-        """`wrap` with its kind given: what the hooks of one family are handed."""
-        return lambda owner, name, wrapper: self.wrap(owner, name, wrapper, kind)
-
-    def undo(self, which: Callable[[Patch], bool] = lambda patch: True) -> None:
-        """Put back, newest first, what each chosen patch replaced."""
-        for patch in reversed([p for p in self.made if which(p)]):
-            patch.undo()
-        self.made = [p for p in self.made if not which(p)]
-
 
 class Instrumentor:
     """The installed guard: its Guard and the patches it made."""
 
     def __init__(self, config: config_mod.Config) -> None:
-        self.guard = Guard(config)
+        self.guard = Guard(config, UNITS)
         self.patches = Patches(self.guard.own_time)
 
     def instrument(self, base: type) -> list[str]:
         """Wrap what discovery finds; returns the methods a reader should know are not guarded."""
         skipped = self.guard_classes(discover(base))
-        swahooks.hook_pools(pool_classes(base), self.guard, self.patches.of_kind("other"))
+        _hook_pools(pool_classes(base), self.guard, self.patches.of_kind("other"))
         self.patches.wrap(base, "__init__", make_constructor_hook(self.guard), "other")
         table_pool = getattr(sys.modules.get(base.__module__), "ReqToTokenPool", None)
         if table_pool is not None:  # the read check's memory, made with the table (liveness on)
@@ -163,7 +108,8 @@ class Instrumentor:
                 continue
             self.patches.wrap(entry.owner, entry.method, make_wrapper(entry, self.guard), "write", entry)
             self.guard.found.append(entry)
-            self.guard.bounds.update(zip(entry.sites, (ids.bound.rule for ids in entry.rule.ids)))
+            for site, ids in zip(entry.sites, entry.rule.ids):
+                self.guard.name_site(site, ids.bound.rule)
             self._skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
         return skipped
 
@@ -175,7 +121,7 @@ class Instrumentor:
             return
         methods, untracked = targets
         for target in methods:
-            self.patches.wrap(target.owner, target.method, swahooks.allocator_wrapper(target, self.guard), "allocator", target)
+            self.patches.wrap(target.owner, target.method, _allocator_wrapper(target, self.guard), "allocator", target)
         if untracked:
             logger.warning("sglang_oobguard: liveness not tracked for the pools of %s (bound check only)",
                            ", ".join(untracked))
@@ -197,11 +143,11 @@ class Instrumentor:
             else:
                 super(base, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]  # base is a class
             late = self.guard_classes([resolve(cls, name) for name in write_methods(cls)])
-            swahooks.hook_pools([cls], self.guard, self.patches.of_kind("other"))
+            _hook_pools([cls], self.guard, self.patches.of_kind("other"))
             if late:
                 logger.warning("sglang_oobguard: not guarded: %s", "; ".join(late))
 
-        self.patches.made.append(Patch(base, "__init_subclass__", own if own is not None else _MISSING))
+        self.patches.made.append(Patch(base, "__init_subclass__", own if own is not None else MISSING))
         base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
 
     def _skip_upstream_duplicates(self, module: Optional[ModuleType]) -> None:
@@ -213,13 +159,26 @@ class Instrumentor:
 
 
 
+def _hook_pools(classes: list[type], guard: Guard, wrap: Callable[[Any, str, Callable[..., Any]], None]) -> None:
+    """The units' hooks on sglang's pool classes (the SWA pools' mapping hook)."""
+    for unit in UNITS:
+        if unit.pool_hook is not None:
+            unit.pool_hook(classes, guard, wrap)
+
+
+def _allocator_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
+    """A tracked allocator method's wrapper: the first unit's that owns its family."""
+    return next(wrapper for unit in UNITS if unit.allocators is not None
+                for wrapper in [unit.allocators(target, guard)] if wrapper is not None)
+
+
 _active: Optional[Instrumentor] = None
 _lock = threading.RLock()  # one install at a time; re-entered by the .pth hook's install inside ours
 _watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hooks for the process)
 
 
 def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, IDLE_HOOK.module, SWA_ALLOCATOR_MODULE, *kvhooks.MODULES,
+    return [STEP_HOOK.module, IDLE_HOOK.module, SWA_ALLOCATOR_MODULE, *(m for unit in UNITS for m in unit.modules),
             *(module for writer in FUSED_WRITERS for module in writer.modules)]
 
 
@@ -238,7 +197,9 @@ def _when_imported(module: str) -> None:
 def _on_import(module: ModuleType) -> None:
     if _active is not None:
         try:
-            kvhooks.hook(module, _active.guard, _active.patches.of_kind("transfer"))
+            for unit in UNITS:
+                if unit.hook is not None and module.__name__ in unit.modules:
+                    unit.hook(module, _active.guard, _active.patches.of_kind("transfer"))
             if module.__name__ == SWA_ALLOCATOR_MODULE and _active.guard.config.liveness:
                 _active.track_allocators()  # the SWA allocators' module loads after the plugin runs
             _active.patch_module(module)
@@ -291,13 +252,13 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
     flush.watch(_active.guard)  # reports reach the folder when the server idles and at exit
     version = version_of_sglang()
     guarded = [entry.qualname for entry in _active.patches.entries if isinstance(entry, Found)]
-    logger.info("%s", activation.line(config, len(guarded), version))
-    absent = [f"{hook} (no {where} in this sglang)" for hook, where in activation.absent_hooks()]
+    logger.info("%s", activation.line(config, len(guarded), version, _active.guard.checks_on()))
+    absent = activation.absent_hooks()
     if skipped or absent or not is_supported(version):
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped + absent) or "nothing")
-    _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent, checks_on(config))
+    _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent, _active.guard.checks_on())
     return _active.patches.entries
 
 

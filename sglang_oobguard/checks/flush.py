@@ -44,7 +44,7 @@ from ..model.log import info_at_exit, logger
 from ..probes import device
 from ..report import counts
 from ..report.reporter import KVOutOfBoundsError
-from .guard import Guard, checks_on
+from .guard import Guard
 
 IDLE_S = 0.5  # seconds without a step or a new copy before the idle flush
 
@@ -126,7 +126,7 @@ def file_counts(guard: Guard, final: bool = False) -> None:
     try:
         if not (final or guard.counts.changed()):
             return
-        snapshot = guard.counts.filing(checks_on(guard.config))
+        snapshot = guard.counts.filing(guard.checks_on())
         if guard.reporter.file is not None:
             guard.reporter.file.counts(snapshot, final)
         if final:

@@ -1,44 +1,44 @@
-"""Guard: the active guard's state: its configuration, pools, steps and reporter.
+"""Guard: the registry of the active checks, and the state every check reads: its
+configuration, pools, steps and reporter.
 
-The code that runs around sglang's calls lives in `writes`, `stepcheck`, `writers`
-and `liveness`; each reads and reports through this object.
+The checks are units (`checks.unit`) that the instrumentor hands over from
+`checks.registry`; the guard imports none of them. A unit's own state lives in `held`
+under its name; what a unit adds to every report, in `fields`.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
 from ..model.config import Backend, Config, Mode
 from ..model.discover import Found
-from ..model.log import logger
+from ..model.log import Said
 from ..model.targets import POOL_IDS
-from ..model import callsite
-from ..model.targets import write_map_off
-from ..model.violation import Kind, Violation, assert_text, free_param, site_id
-from ..probes import device, shadow
-from ..probes.pools import SITES_ATTR, STATE_ATTR, PoolState, warm_up
+from ..model.violation import Violation, assert_text, free_param, site_id
+from ..probes import device
+from ..probes.pools import SITES_ATTR, STATE_ATTR, Marks, PoolState, warm_up
 from ..probes.record import Record, fold_host
 from ..report import owntime
-from ..report.counts import CHECKS, Counts
+from ..report.counts import Counts
 from ..report.reporter import Reporter
 from .calls import CallState, PerThread
 from .steps import Steps
-from .hiloads import Loads
-from .inflight import Transfers
+from .unit import Unit
 
 STEP_LABEL = "out_cache_loc (forward step)"  # the step check's site
-FEATURES = ("swa", "pd", "hicache")  # checks that run only where sglang runs the feature
-MAPPED = ("map", "ownids", "owners", "reads")  # checks that run only where the write map is known
 
 
-class Guard:
+class Guard(Said, Marks):
     """The process's active guard."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, units: Iterable[Unit] = ()) -> None:
+        super().__init__()
         self.config = config
+        self.units = {unit.name: unit for unit in units}  # every registered check (on or off: `config.checks`)
+        self.held = {unit.name: unit.state() for unit in self.units.values() if unit.state is not None}
         self.counts = Counts()  # what each check did (`report.counts`)
         self.reporter = Reporter(config.warn_interval_s, self.counts)
         self.own_time = owntime.open_for(config.own_time)  # a benchmark's; fixed by the first install
@@ -48,11 +48,8 @@ class Guard:
         self.bounds: dict[int, str] = {}  # site -> its bound's rule, for the device-side assert text
         self.outside_steps: set[int] = set()  # sites that never write inside a forward step (HiCache's copies)
         self._messages: dict[int, str] = {}  # site -> the device-side assert text
-        self._said: set[str] = set()  # log lines said once per guard
-        self._marked: list[tuple[weakref.ref, str]] = []  # attributes we set on sglang's objects
         self.threads = PerThread()  # each thread's calls in progress (`calls`)
         self.steps = Steps()
-        self.transfers, self.loads = Transfers(), Loads()  # PD decode's transfers in flight; HiCache's loads (liveness)
         self.step_site = site_id(STEP_LABEL)  # the step check's site, its bound the pool's
         self.bounds[self.step_site] = POOL_IDS.rule
 
@@ -63,6 +60,13 @@ class Guard:
     def configure(self, config: Config) -> None:
         """New settings for the same wrappers (a second install())."""
         self.config, self.reporter.warn_interval_s = config, config.warn_interval_s
+
+    def name_site(self, site: int, rule: str, in_steps: bool = True) -> None:
+        """A probed site's bound rule (the device-side assert's text), and whether its
+        writes happen inside forward steps (a report then names the step's request)."""
+        self.bounds[site] = rule
+        if not in_steps:
+            self.outside_steps.add(site)
 
     def on_host(self, ids: torch.Tensor) -> bool:
         """The host scan serves CPU tensors (backend auto or torch), and CUDA tensors
@@ -88,20 +92,11 @@ class Guard:
                     self.config.mode is Mode.STRICT, self.config.liveness, self.message, self.config.finite)
         return state
 
-    def mark(self, obj: Any, attr: str, value: Any) -> None:
-        """Set one of our attributes on an object of sglang's, remembered for `forget`."""
-        obj.__dict__[attr] = value
-        self._marked.append((weakref.ref(obj), attr))
-
     def forget(self) -> None:
         """Take our attributes off sglang's objects again (uninstall); the pool states
         stay alive, since a captured graph may still replay their probes."""
         device.retain(([state.for_graphs() for state in self.states], self.steps))
-        for ref, attr in self._marked:
-            obj = ref()
-            if obj is not None:
-                obj.__dict__.pop(attr, None)
-        self._marked.clear()
+        self.unmark()
 
     def message(self, site: int) -> str:
         text = self._messages.get(site)
@@ -121,7 +116,8 @@ class Guard:
         if state.record.unreported(record):
             assert record is not None
             fields = {} if free_param(record.site) or record.site in self.outside_steps else self.steps.where(record)
-            fields.update(history(state, record))
+            for unit in self.units.values():
+                fields.update(unit.fields(state, record) if unit.fields is not None else {})
             self.reporter.publish(state.serial, Violation.of(record, state.pool_name, **{**fields, **where}),
                                   fatal=self.config.mode is not Mode.WARN)
 
@@ -141,41 +137,8 @@ class Guard:
         for state in list(self.states):
             self.publish(state, state.record.read_now())
 
-    def first_time(self, key: str) -> bool:
-        """True the first time `key` is asked for: a line said once per guard."""
-        said = key in self._said
-        self._said.add(key)
-        return not said
-
-    def internal_error(self, where: str, exc: BaseException) -> None:
-        """The guard's own bookkeeping failed: log once per place, never raise into sglang."""
-        if self.first_time(f"internal {where}"):
-            logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
-                         where, type(exc).__name__, exc)
-
-
-def checks_on(config: Config) -> tuple[str, ...]:
-    """The checks this configuration runs everywhere it applies, in `CHECKS` order (SWA, PD
-    and HiCache only where sglang runs those features: they are counted when they first
-    work; the map's checks only where this sglang's write map is known)."""
-    mapped = write_map_off() is None
-    wanted = config.checks or ()
-    return tuple(name for name in CHECKS if name in wanted and name not in FEATURES
-                 and (mapped or name not in MAPPED))
-
-
-def history(state: PoolState, record: Record) -> dict[str, Any]:
-    """The Violation fields of the reported slot's history (its last allocation and
-    free, its generation), read when the report is made; {} when liveness does not
-    track the pool or the id is outside it."""
-    live = state.live
-    if live is None or record.kind == Kind.BOUNDS or not 0 <= record.value < record.high:
-        return {}
-    page = record.value if free_param(record.site) == "page_ids" else record.value // live.page
-    told = shadow.story(live, page)
-    if told is None:
-        return {}
-    generation, allocated, freed, _ = told
-    (allocated_step, allocated_by), (freed_step, freed_by) = callsite.unpack(allocated), callsite.unpack(freed)
-    return {"generation": generation, "allocated_step": allocated_step, "allocated_by": callsite.text(allocated_by),
-            "freed_step": freed_step, "freed_by": callsite.text(freed_by)}
+    def checks_on(self) -> tuple[str, ...]:
+        """The checks on that run everywhere they apply: not a feature's (counted where it first
+        works), nor one whose layouts this sglang lacks."""
+        return tuple(name for name, unit in self.units.items()
+                     if name in (self.config.checks or ()) and unit.feature is None and unit.where() is None)

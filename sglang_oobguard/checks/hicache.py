@@ -15,15 +15,18 @@ known at this level: `hiloads` checks a load's live slots against their owners.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from types import ModuleType
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..model.discover import base_class
-from ..model.targets import POOL_IDS
+from ..model.targets import POOL_IDS, write_map_off
+from ..model.transfertargets import HICACHE_LOAD_HOOKS, HICACHE_METHODS, HICACHE_POOLS, HICACHE_SINCE
 from ..model.violation import site_id
 from . import hiloads
 from .guard import Guard
+from .unit import Found, Unit, Wrap, defines
 from .writes import argument, check_write, replaced
 
 DEVICE_IDS = (2, "device_indices")  # position after self, and name, in both methods
@@ -38,8 +41,7 @@ def make_wrapper(method: str, what: str, guard: Guard) -> Callable[..., Any]:
     site = site_id(label(method, what))
     found = base_class()
     pools = found if isinstance(found, type) else ()
-    guard.bounds[site] = POOL_IDS.rule
-    guard.outside_steps.add(site)  # the cache controller's copies: no forward step's request to name
+    guard.name_site(site, POOL_IDS.rule, in_steps=False)  # the cache controller's copies: no step's request to name
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         device_pool = argument(args, kwargs, 0, "device_pool")
@@ -60,3 +62,46 @@ def make_wrapper(method: str, what: str, guard: Guard) -> Callable[..., Any]:
         return wrapped(*args, **kwargs)
 
     return wrapper
+
+
+def hook(module: ModuleType, guard: Guard, wrap: Wrap) -> None:
+    """Wrap the host pools' copies and what the loads are for, in `module`, as it imports."""
+    for where, owner in HICACHE_POOLS:
+        cls = getattr(module, owner, None) if where == module.__name__ else None
+        for method, what in HICACHE_METHODS if cls is not None else ():
+            if method in cls.__dict__:
+                wrap(cls, method, make_wrapper(method, what, guard))
+    for where, owner, method, kind in HICACHE_LOAD_HOOKS:  # what the loads are for (a release without: unnamed)
+        cls = getattr(module, owner, None) if where == module.__name__ else None
+        if cls is not None and method in cls.__dict__:
+            wrap(cls, method, hiloads.make_hook(kind, guard))
+
+
+def where() -> Optional[str]:
+    """Why the check does not run on this sglang (read from its classes), or None."""
+    lacks = [f"{owner}.{HICACHE_METHODS[0][0]}" for module, owner in HICACHE_POOLS
+             if defines(module, owner, HICACHE_METHODS[0][0]) is False]
+    return f"this sglang has no {' or '.join(lacks)} (sglang {HICACHE_SINCE}+)" if len(lacks) == len(HICACHE_POOLS) \
+        else None
+
+
+def doctor(found: Found) -> list[str]:
+    return [f"HiCache (sglang {HICACHE_SINCE}+: the host pool's copies into and out of device slots, probed like a "
+            "write of the device pool):",
+            *(f"  {owner + '.' + method:48} {what}: device_indices in [0, {POOL_IDS.rule}), live: "
+              f"{found(module, owner, method)}" for module, owner in HICACHE_POOLS for method, what in HICACHE_METHODS),
+            "  the holder check, with liveness, where the write map runs (" + (write_map_off() or "on here") +
+            "): a load's slot another running request owns (the owner table) is reported, naming what the load is "
+            "for:",
+            *(f"  {owner + '.' + method:48} {hiloads.LOAD_ROLES[kind]}: {found(module, owner, method)}"
+              for module, owner, method, kind in HICACHE_LOAD_HOOKS),
+            "  not checked: loads on a GPU (the owner table is device memory: no host sync); a slot freed under its "
+            "request and handed to a load (the read check names its reader); the other host pools (their ids are "
+            "virtual or paged)"]
+
+
+UNIT = Unit("hicache", "HiCache loads and backups: their slots, and loads into another request's slot",
+            "per load or backup call: O(ids)", ("loads", "writes"), "the HiCache host pools' copies; the cache "
+            "controller's loads", where=where, feature="HiCache", state=hiloads.Loads,
+            modules=(*(module for module, _ in HICACHE_POOLS), *dict.fromkeys(module for module, *_ in HICACHE_LOAD_HOOKS)),
+            hook=hook, doctor=doctor)

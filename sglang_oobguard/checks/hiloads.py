@@ -29,8 +29,8 @@ from ..model.violation import Kind
 from ..probes.pools import STATE_ATTR
 from ..probes.record import Record
 from . import owners
+from .guard import Guard
 
-Guard = Any  # the active checks.guard.Guard (which holds the Loads: not imported back)
 # What each HICACHE_LOAD_HOOKS method tells the check (doctor's words).
 LOAD_ROLES = {"loads": "the load-backs it starts: each into a tree node's fresh slots (no owner yet)",
               "asked": "the request that asked for a tree node's load-back (named in a report)",
@@ -80,7 +80,7 @@ def _loading(book: Loads, kind: str, instance: Any, args: tuple, kwargs: dict) -
 def make_hook(kind: str, guard: Guard) -> Callable[..., Any]:
     """The wrapt wrapper of one HICACHE_LOAD_HOOKS method: it says what the loads inside
     it are for; its own work never raises into sglang."""
-    book: Loads = guard.loads
+    book: Loads = guard.held["hicache"]
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         if not on(guard.config.checks):
@@ -109,7 +109,7 @@ def on(checks: frozenset) -> bool:
 def check(guard: Guard, device_pool: Any, site: int, host_ids: Any, ids: torch.Tensor, layer: int) -> torch.Tensor:
     """The device ids of one load call against the slots' owners; returns the ids the
     load gets (warn mode: another request's slots sent to padding slot 0)."""
-    now: Optional[Loading] = guard.loads.now
+    now: Optional[Loading] = guard.held["hicache"].now
     state = device_pool.__dict__.get(STATE_ATTR)
     live = None if state is None else state.live
     if now is None or live is None or live.owner is None or live.owner.is_cuda or ids.is_cuda:

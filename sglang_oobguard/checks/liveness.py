@@ -37,6 +37,7 @@ from ..probes.pools import LIVE_ATTR, PoolState
 from ..report.reporter import KVOutOfBoundsError
 from . import claims, transfer
 from .guard import Guard
+from .unit import Unit, kept
 
 BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup_state() saw it
 
@@ -309,12 +310,17 @@ def _start(guard: Guard, allocator: Any) -> None:
             logger.warning("sglang_oobguard: the liveness shadow of %s grew to %d pages: a CUDA graph captured "
                            "before checks the retired shadow until it is captured again", state.pool_name, pages)
         state.live = shadow.new_live(pages, page, state.device, owners, history)
+        if kept(guard.units.values(), guard.config.checks, pages):
+            logger.info("sglang_oobguard: the checks' memory for %s (%d pages on %s, made with its allocator): %s",
+                        state.pool_name, pages, state.device, kept(guard.units.values(), guard.config.checks, pages))
         if device.is_gpu(state.device):
             _warm_up_frees(guard, state, type(allocator))
     else:
         _update(state, shadow.clear)
     guard.mark(allocator, LIVE_ATTR, state)
-    guard.transfers.forget(state)
+    book = guard.held.get("pd")  # PD's transfers in flight (`checks.transfer`): none into a cleared pool
+    if book is not None:
+        book.forget(state)
     allocator.__dict__.pop(BACKUP_ATTR, None)
 
 
@@ -330,3 +336,14 @@ def _warm_up_frees(guard: Guard, state: PoolState, cls: type) -> None:
         for dtype in (torch.int64, torch.int32):
             kernels.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor,
                                 guard.steps.counter(state.device), live, guard.message(site) if strict else None)
+
+
+def allocator_wrapper(target: AllocatorMethod, guard: Guard) -> Optional[Callable[..., Any]]:
+    """The wrapper of a tracked allocator method of the token and paged families."""
+    return make_wrapper(target, guard) if isinstance(target.role, Role) else None
+
+
+UNIT = Unit("liveness", "writes, frees and hand-outs of slots the allocator does not hold as handed out",
+            "per allocator call and per write: O(ids)", ("steps", "writes", "frees", "allocs"),
+            "the tracked allocators' methods; every guarded write and forward step", allocators=allocator_wrapper,
+            memory=lambda pages, rows, context: shadow.PAGE_BYTES["flags"] * (pages + 1))

@@ -15,9 +15,11 @@ from typing import Any, Iterable, NamedTuple, Optional, Union
 import numpy as np
 import torch
 
+from ..model.targets import write_map_off
 from ..probes import hostscan
 from ..probes.record import Kind
-from ..probes.shadow import Live
+from ..probes.shadow import PAGE_BYTES, Live
+from .unit import Found, Unit
 
 
 class Lookup(NamedTuple):
@@ -151,3 +153,13 @@ def named(where: Optional[Lookup], kind: int, row: int, token: Optional[int], sl
         if found is not None:
             fields["owner"], fields["owner_token"] = found
     return fields
+
+
+def doctor(found: Found) -> list[str]:
+    return ["the owner and read checks read the shadow of the ids req_to_token holds (an SWA pool's: its full "
+            "sub-pool's); a step pool no shadow holds: both off, said once in the log (WARNING)"]
+
+
+UNIT = Unit("owners", "a slot is written by the request that owns it", "per step: O(tokens)", ("steps",),
+            "the forward step, with the liveness shadow's owner table", where=write_map_off, doctor=doctor,
+            memory=lambda pages, rows, context: PAGE_BYTES["owner"] * (pages + 1))

@@ -26,12 +26,14 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 import torch
 
+from ..model.targets import write_map_off
 from ..model.violation import Kind
 from ..probes.hostmap import FEW
 from ..probes.pools import STATE_ATTR
 from ..probes.record import Record
 from . import owners
 from .guard import Guard
+from .unit import Found, Unit
 
 
 class StepIds(NamedTuple):
@@ -130,3 +132,13 @@ def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, laye
     if found is not None:
         where["owner"], where["owner_token"] = found
     guard.report_now(state, record, **where)
+
+
+def doctor(found: Found) -> list[str]:
+    return ["a layer's write with ids of its own (not the step's out_cache_loc): one id per token, each its token's "
+            "own slot; another shape, each id a slot of the step's tokens (CPU ids)"]
+
+
+UNIT = Unit("ownids", "a layer's write with ids of its own writes only its own tokens' slots",
+            "per such write: O(ids), on the host", ("writes",), "pool writes whose ids are not the step's",
+            where=write_map_off, doctor=doctor)

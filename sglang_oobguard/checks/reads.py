@@ -30,10 +30,12 @@ import numpy as np
 import torch
 
 from ..model.log import logger
+from ..model.targets import write_map_off
 from ..model.violation import site_id
 from ..probes import device, readkernel, readmap
 from ..probes.record import Record
 from .guard import Guard
+from .unit import Found, Unit
 
 READ_LABEL = "req_to_token (read check)"
 SEEN_ATTR = "_oobguard_reads"  # on sglang's ReqToTokenPool: its readmap.Seen
@@ -177,3 +179,18 @@ def _report(guard: Guard, state: Any, finding: readmap.ReadFinding, high: int) -
                          reader=finding.row, position=finding.position, slot=finding.slot, generation=finding.seen,
                          owner=finding.owner, step=guard.steps.number)
     guard.report_now(state, record)
+
+
+def doctor(found: Found) -> list[str]:
+    gib = {rows: f"{readmap.Seen.bytes_for(rows, 131072) / 2**30:.1f} GiB" for rows in (4096, 2048)}
+    return ["the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live and of "
+            "the generation it first read (host path on CPU tensors, one launch on a GPU); where the write map runs ("
+            + (write_map_off() or "on here") + ")",
+            f"the read check's memory, with liveness: {MEMORY} as sglang sizes its pools (sglang's budget does not "
+            f"count it), before serving and capture: {gib[4096]} for 4096 rows x 131072 context, {gib[2048]} for 2048"]
+
+
+UNIT = Unit("reads", "a running request reads a slot given back or handed to another",
+            "per step: O(context of the batch)", ("steps",), "the forward step's end; sglang's ReqToTokenPool (its memory)",
+            where=write_map_off, doctor=doctor, memory=lambda pages, rows, context: readmap.Seen.bytes_for(rows, context)
+            if rows else 0)

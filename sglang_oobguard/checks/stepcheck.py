@@ -31,7 +31,7 @@ import torch
 from ..model.config import Backend
 from ..model.log import logger
 from ..model.swatargets import full_space
-from ..model.targets import POOL_IDS, POOL_OF_ALLOCATOR
+from ..model.targets import POOL_IDS, POOL_OF_ALLOCATOR, UNMAPPED, write_map_off
 from ..probes import device
 from ..probes.pools import STATE_ATTR
 from ..report.counts import slot
@@ -40,6 +40,7 @@ from . import ownids, reads, stepmap
 from .calls import memo_key
 from .flush import file_counts_while_busy
 from .guard import Guard
+from .unit import Found, Unit
 from .writes import check_write
 
 
@@ -182,3 +183,14 @@ def make_forward_hook(guard: Guard, pool_attr: str) -> Any:
             step_end(guard)
 
     return wrapper
+
+
+def doctor(found: Found) -> list[str]:
+    return ["the write map (each token's slot is req_to_token's; no slot or row twice); not checked:",
+            *(f"  {name}: {why}" for name, why in UNMAPPED),
+            "fused writers that take out_cache_loc themselves are reported, not contained, for ownership"]
+
+
+UNIT = Unit("map", "each token of a forward step writes its own slot (req_to_token), none twice, no row twice",
+            "per step: O(tokens), in the step kernel on a GPU", ("steps",), "the forward step (out_cache_loc)",
+            where=write_map_off, doctor=doctor)

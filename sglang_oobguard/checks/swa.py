@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..model.discover import AllocatorMethod
-from ..model.swatargets import (FULL_SUBPOOL, MAPPING, SWA_CHECKED, SWA_METHODS, SWA_SUBPOOL, SwaMethod, SwaRole,
-                                space_name)
+from ..model.discover import AllocatorMethod, by_design
+from ..model.swatargets import (FULL_SUBPOOL, MAPPING, SWA_CHECKED, SWA_METHODS, SWA_POOL_HOOK, SWA_SUBPOOL, SwaMethod,
+                                SwaRole, space_name)
 from ..model.violation import Kind, free_site_id
 from ..probes import hostscan
 from ..probes.pools import NAME_ATTR, SITES_ATTR, STATE_ATTR
@@ -39,6 +39,7 @@ from .guard import Guard
 from .liveness import Call, checked, counted
 from . import owners
 from .calls import argument, replaced
+from .unit import Unit, Wrap
 
 FAMILY = "swa"  # the free family an outer SWA free marks, so its inner halves are not checked again
 
@@ -271,3 +272,23 @@ def _owner(guard: Guard, record: Record, full: np.ndarray, ids: np.ndarray, tabl
     peers = [int(f) for f in np.flatnonzero(table[:-1] == ids[pos]) if f != full[pos]]
     found = owners.holder(owners.of_step(seen), peers[0]) if peers else None
     return {"owner": found[0] if found else None, "owner_token": found[1] if found else None}
+
+
+def hook_pools(classes: list[type], guard: Guard, wrap: Wrap) -> None:
+    """Name the SWA pools' id spaces as their allocators register the mapping (every pool
+    class that defines the hook, as it is defined)."""
+    for cls in classes:
+        hook = cls.__dict__.get(SWA_POOL_HOOK)
+        if hook is not None and not by_design(getattr(hook, "__wrapped__", hook)):
+            wrap(cls, SWA_POOL_HOOK, make_mapping_hook(guard))
+
+
+def allocator_wrapper(target: AllocatorMethod, guard: Guard) -> Optional[Callable[..., Any]]:
+    """The SWA allocator family's adapter (the other families: liveness's)."""
+    return make_wrapper(target, guard) if isinstance(target.role, SwaRole) else None
+
+
+UNIT = Unit("swa", "sliding-window pools: frees in both id spaces, each token's SWA slot",
+            "per SWA free and per door write: O(ids)", ("frees", "writes"),
+            "the SWA pools' mapping hook and doors; the SWA allocators' methods (with liveness)",
+            feature="sliding-window models", pool_hook=hook_pools, allocators=allocator_wrapper)

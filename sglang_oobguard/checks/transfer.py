@@ -26,14 +26,16 @@ import torch
 from ..model.config import Mode
 from ..model.log import logger
 from ..model.swatargets import SWA_CHECKED, SWA_STATE_PAGES, full_space
+from ..model.transfertargets import (DRAIN_ARMED, DRAIN_SIGNAL, TRANSFER_ENTRIES, TRANSFER_HOOKS, TRANSFER_MODULES,
+                                     TRANSFER_SINCE)
 from ..model.violation import Kind, site_id
 from ..probes import hostscan
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
 from ..report.reporter import KVOutOfBoundsError
-from .inflight import Transfer
-
-Guard = Any  # the active checks.guard.Guard (which holds the Transfers: not imported back)
+from .guard import Guard
+from .inflight import Transfer, Transfers
+from .unit import Found, Unit, Wrap, defines
 
 SEND_LABEL = "send_metadata (PD decode KV destination pages)"
 SOURCE_LABEL = "send (PD prefill KV source pages)"
@@ -73,7 +75,7 @@ def send(guard: Guard, queue: Any, decode_req: Any, kv_indices: Any, page_size: 
     own = (row[prefix:len(req.origin_input_ids)][::page_size] // page_size).cpu().numpy().astype(np.int64)
     room = getattr(req, "bootstrap_room", None)
     inside = check_pages(guard, state, SEND_LABEL, pages, own, own_row=False, request=str(req.rid), room=room)
-    guard.transfers.add(Transfer(state, pages[inside], str(req.rid), room, guard.steps.number,
+    guard.held["pd"].add(Transfer(state, pages[inside], str(req.rid), room, guard.steps.number,
                                  decode_req.kv_receiver, decode_req))
 
 
@@ -117,9 +119,9 @@ def check_pages(guard: Guard, state: PoolState, label: str, pages: np.ndarray, o
 
 def source(guard: Guard, sender: Any, page_indices: Any, *rest: Any, **kwargs: Any) -> None:
     """Prefill: the source pages one KV sender's send gets, inside `_send_kv_chunk`."""
-    if guard.transfers.sending is None or kwargs.get("indices_event") is not None:
+    if guard.held["pd"].sending is None or kwargs.get("indices_event") is not None:
         return  # outside a chunk send; or a pinned copy still landing (its event not reached): not read
-    scheduler, req = guard.transfers.sending
+    scheduler, req = guard.held["pd"].sending
     if getattr(req, "disagg_kv_sender", None) is not sender:
         return
     state = _shadow(guard, scheduler.token_to_kv_pool_allocator)
@@ -139,7 +141,7 @@ def polled(guard: Guard, queue: Any, polls: Any) -> None:
     transfer; Failed ends it when the drain signal says so (`Transfer.ended`)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    book = guard.transfers
+    book = guard.held["pd"]
     for decode_req, poll in zip(queue.queue, polls):
         transfer = book.by_request.get(id(decode_req))
         if transfer is None:
@@ -155,7 +157,7 @@ def on_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pag
             free: Callable[[torch.Tensor], Any]) -> Optional[torch.Tensor]:
     """A free on the host: report the in-flight pages it names. Returns the ids to free
     now (warn mode: the others, held back until their transfer ends), or None: free all."""
-    book = guard.transfers
+    book = guard.held["pd"]
     if not book.by_key or state.serial not in book.tables:
         return None
     book.settle()
@@ -210,18 +212,56 @@ def make_hook(kind: str, guard: Guard, wrap_send: Callable[[type], None]) -> Cal
                          None)
             if owner is not None and owner is not object:
                 quietly(lambda: wrap_send(owner))
-            outer, guard.transfers.sending = guard.transfers.sending, (instance, req)
+            outer, guard.held["pd"].sending = guard.held["pd"].sending, (instance, req)
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                guard.transfers.sending = outer
+                guard.held["pd"].sending = outer
         result = wrapped(*args, **kwargs)
         if kind == "poll":
             quietly(lambda: polled(guard, instance, result))
         elif kind == "resolve":
-            quietly(guard.transfers.settle)
+            quietly(guard.held["pd"].settle)
         elif kind == "pending" and not result:
-            return guard.transfers.holding()
+            return guard.held["pd"].holding()
         return result
 
     return wrapper
+
+
+def hook(module: Any, guard: Guard, wrap: Wrap) -> None:
+    """Wrap what TRANSFER_HOOKS name in `module` (PD's decode and prefill queues), as it imports."""
+    def wrap_send(cls: type) -> None:  # a KV sender class, as the first send of its backend comes
+        wrap(cls, "send", make_hook("source", guard, wrap_send))
+
+    for where, owner, method, kind in TRANSFER_HOOKS:
+        if where != module.__name__:
+            continue
+        cls = getattr(module, owner, None)
+        if cls is None or method not in cls.__dict__:
+            logger.warning("sglang_oobguard: %s.%s.%s not found: the KV transfer check misses it", where, owner, method)
+            continue
+        wrap(cls, method, make_hook(kind, guard, wrap_send))
+
+
+def where() -> Optional[str]:
+    """Why the check does not run on this sglang (read from its classes), or None."""
+    lacks = [f"{owner}.{method}" for module, owner, method in TRANSFER_ENTRIES if defines(module, owner, method) is False]
+    return f"this sglang has no {' or '.join(lacks)} (sglang {TRANSFER_SINCE}+)" if lacks else None
+
+
+def doctor(found: Found) -> list[str]:
+    return [f"KV transfers (PD disaggregation, sglang {TRANSFER_SINCE}+, with liveness; only the ids are seen, the "
+            "transfer engine's RDMA write itself is not observable):",
+            *(f"  {owner + '.' + method:48} {HOOK_ROLES[kind]}: {found(module, owner, method)}"
+              for module, owner, method, kind in TRANSFER_HOOKS),
+            f"  every backend's transfers (mooncake, nixl, mori, ascend, fake); an aborted one ends at the drain "
+            f"signal kv_mgr.{DRAIN_SIGNAL} (armed by {DRAIN_ARMED}), never at sglang's release-anyway timeout;",
+            f"  {NO_DRAIN}; the prefill side's sends are checked where a sender's send is wrapped at its first call"]
+
+
+UNIT = Unit("pd", "PD disaggregation: pages freed while a KV transfer into them is in flight, and each "
+            "transfer's pages live and the request's own", "per transfer and per free: O(pages)",
+            ("transfers", "frees"), "PD's decode and prefill queues; the tracked allocators' frees",
+            where=where, feature="PD disaggregation", state=Transfers, modules=TRANSFER_MODULES, hook=hook,
+            doctor=doctor)

@@ -23,6 +23,7 @@ from ..probes import device, valuekernel
 from ..probes.record import Record, fold_host
 from ..probes.values import is_value, scan_values
 from .guard import Guard
+from .unit import Unit
 
 # One write's host findings, one per part: the pool's state and the part's record.
 Pending = list[tuple[Any, Record]]
@@ -84,3 +85,7 @@ def before_write(guard: Guard, pending: Optional[Pending]) -> None:
     """Strict stops before the write; the other modes let the values through."""
     if pending and guard.config.mode is Mode.STRICT:
         publish(guard, pending)
+
+
+UNIT = Unit("finite", "a value written is NaN or Inf", "per write: O(values written), one launch on a GPU",
+            ("writes",), "every guarded pool write method and fused writer (their values)")

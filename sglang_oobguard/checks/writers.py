@@ -42,7 +42,7 @@ class WriterSite:
 def make_writer_wrapper(writer: Writer, guard: Guard, function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` is the writer being wrapped: its signature gives `per_row`'s default."""
     site = site_id(writer.label)
-    guard.bounds[site] = writer.bound
+    guard.name_site(site, writer.bound)
     (ids_at, ids_name), (rows_at, rows_name) = (writer.ids.position, writer.ids.names[0]), writer.rows
     per_row_default = None if writer.per_row is None else \
         inspect.signature(function).parameters[writer.per_row[1]].default

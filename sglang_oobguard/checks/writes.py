@@ -27,6 +27,7 @@ from ..report.reporter import KVOutOfBoundsError
 from . import ownids, swa, values
 from .calls import CallState, argument, memo_key, replaced
 from .guard import Guard
+from .unit import Unit
 
 _TRITON = Backend.TRITON  # (a module global: an enum member's own look-up costs several times more)
 
@@ -299,3 +300,7 @@ def attach_existing(guard: Guard, pools: Iterable[Any]) -> None:
                 guard.attach(pool, torch.device(pool.device))
             except Exception as exc:
                 guard.internal_error(f"{type(pool).__name__} (built before install)", exc)
+
+
+UNIT = Unit("bounds", "every write's slot ids lie in the pool", "per write: O(ids), one fused probe on a GPU",
+            ("steps", "writes"), "every guarded pool write method, fused writer, HiCache copy and forward step")

@@ -80,7 +80,7 @@ class Config:
     own_time: Optional[str] = None  # a benchmark's folder: each process keeps its own time there (`owntime`)
     upstream_probe: bool = False  # SGLANG_ENABLE_ASYNC_ASSERT is on: sglang's own probe runs in its methods
     finite: bool = False  # also check that the values a write stores are finite (README, "What it catches")
-    # the checks on (`switches.CHECKS` names): SGLANG_OOBGUARD_CHECKS over the aliases; None: the aliases'
+    # the checks on (`switches.NAMES`): SGLANG_OOBGUARD_CHECKS over the aliases; None: the aliases'
     checks: Optional[frozenset] = None
     switched_off: frozenset = frozenset()  # the checks SGLANG_OOBGUARD_CHECKS turned off (the aliases' set less it)
 
@@ -195,5 +195,8 @@ def from_env(env: Optional[Mapping[str, str]] = None, mode: Optional[Mode] = Non
     aliased = checks = switches.default(liveness and on, finite and on)
     if raw_checks is not None and on:
         checks = switches.parse(raw_checks, aliased, lambda accepted: ConfigError(CHECKS_VAR, raw_checks, accepted))
+    # off by the switch: what it took from the aliases' set, or, for a list that starts anew, every check it left out
+    decided = raw_checks is not None and on and raw_checks.strip()[:1] not in ("+", "-")
+    off = frozenset(switches.NAMES) - checks if decided else aliased - checks
     return Config(mode, backend, poll_every, warn_interval, "liveness" in checks, report_dir, own_time, enabled,
-                  "finite" in checks, checks, aliased - checks)
+                  "finite" in checks, checks, off)

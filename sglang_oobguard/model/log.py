@@ -39,3 +39,23 @@ def info_at_exit(message: str, *args: object) -> None:
     handlers = [*logging.getLogger().handlers, *logger.handlers]
     if all(not getattr(getattr(h, "stream", None), "closed", False) for h in handlers):
         logger.info(message, *args)
+
+
+class Said:
+    """Lines said once per owner (a guard): its first-time test and its internal errors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: set[str] = set()
+
+    def first_time(self, key: str) -> bool:
+        """True the first time `key` is asked for: a line said once per guard."""
+        said = key in self._said
+        self._said.add(key)
+        return not said
+
+    def internal_error(self, where: str, exc: BaseException) -> None:
+        """The guard's own bookkeeping failed: log once per place, never raise into sglang."""
+        if self.first_time(f"internal {where}"):
+            logger.error("sglang_oobguard: internal error in %s, left unchecked: %s: %s",
+                         where, type(exc).__name__, exc)

@@ -12,22 +12,12 @@ Standard library only (read by `config` in every sglang process).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
-# Every check the guard can run, with what it catches; the order of the exit line, the report and doctor.
-CHECKS = {
-    "bounds": "every write's slot ids lie in the pool",
-    "map": "each token of a forward step writes its own slot (req_to_token), none twice, no row twice",
-    "owners": "a slot is written by the request that owns it",
-    "liveness": "writes, frees and hand-outs of slots the allocator does not hold as handed out",
-    "history": "each slot's last allocation and free, named in every report",
-    "reads": "a running request reads a slot given back or handed to another",
-    "ownids": "a layer's write with ids of its own writes only its own tokens' slots",
-    "finite": "a value written is NaN or Inf",
-    "swa": "sliding-window pools: frees in both id spaces, each token's SWA slot",
-    "pd": "PD disaggregation: pages freed while a KV transfer into them is in flight",
-    "hicache": "HiCache loads and backups: their slots, and loads into another request's slot",
-}
+# Every check the guard can run: its switch's name, in the order of the exit line, the report and doctor.
+# Each is a unit of `checks/` (`checks.registry` lists them, with what each catches), which this table names
+# only: sglang's processes read the switch before torch, where no unit may load.
+NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "finite", "swa", "pd", "hicache")
 
 # What each check reads that another keeps: the read check reads the owner table and each
 # slot's generation (history); ids of a layer's own are compared with the ids the map passed.
@@ -68,8 +58,8 @@ def parse(raw: str, start: frozenset[str], fail: Callable[[str], Exception]) -> 
     for item in items:
         sign, name = (item[0], item[1:].strip()) if item[0] in "+-" else ("+", item)
         if name == "all":
-            on = set(CHECKS) if sign == "+" else set()
-        elif name not in CHECKS:
+            on = set(NAMES) if sign == "+" else set()
+        elif name not in NAMES:
             raise fail(_accepted(f"unknown check {name!r}"))
         elif sign == "+":
             on.add(name)
@@ -78,7 +68,7 @@ def parse(raw: str, start: frozenset[str], fail: Callable[[str], Exception]) -> 
     if ALWAYS not in on:
         raise fail(f"a list that keeps {ALWAYS!r} on ({ALWAYS!r} cannot be turned off while the guard is on; "
                    "SGLANG_OOBGUARD_MODE=off turns the guard off)")
-    missing = [(name, need) for name in CHECKS if name in on for need in NEEDS.get(name, ()) if need not in on]
+    missing = [(name, need) for name in NAMES if name in on for need in NEEDS.get(name, ()) if need not in on]
     if missing:
         name, need = missing[0]
         raise fail(f"a list in which each check's dependencies are on ({name!r} needs {need!r}, which is off: "
@@ -87,16 +77,16 @@ def parse(raw: str, start: frozenset[str], fail: Callable[[str], Exception]) -> 
 
 
 def _accepted(why: str) -> str:
-    return f"a comma list of all, NAME, +NAME, -NAME with NAME one of {', '.join(CHECKS)} (not {why})"
+    return f"a comma list of all, NAME, +NAME, -NAME with NAME one of {', '.join(NAMES)} (not {why})"
 
 
-def help_lines(defaults: Iterable[str] = DEFAULT) -> list[str]:
-    """One line per check, ASan `help=1` style: name, default, what it catches."""
+def help_lines(catches: Mapping[str, str], defaults: Iterable[str] = DEFAULT) -> list[str]:
+    """One line per check, ASan `help=1` style: name, default, what it catches (`catches`: the units' words)."""
     on = set(defaults)
     lines = []
-    for name, catches in CHECKS.items():
+    for name in NAMES:
         alias = next((f"on with SGLANG_OOBGUARD_{key.upper()}=1" for key, names in ALIASES.items() if name in names), "")
         state = "on" if name in on else alias or "off"
         needs = f" (needs {', '.join(NEEDS[name])})" if name in NEEDS else ""
-        lines.append(f"  {name:9} default: {state}{needs} - {catches}")
+        lines.append(f"  {name:9} default: {state}{needs} - {catches[name]}")
     return lines

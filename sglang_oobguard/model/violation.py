@@ -40,7 +40,7 @@ class Kind(enum.IntEnum):
 
 
 READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kinds, by name
-# the check (`report.counts.CHECKS`) that makes each kind of report, by the kind's name (`Violation.kind`)
+# the check (`model.switches.NAMES`) that makes each kind of report, by the kind's name (`Violation.kind`)
 CHECK_OF = {"bounds": "bounds", "freed": "liveness", "double_free": "liveness", "other_request": "map",
             "duplicate": "map", "shared_row": "map", "owned": "owners", "handed_out": "liveness", "unmapped": "swa",
             "peer_mapped": "swa", "swa_other": "swa", "in_flight": "pd", "read_freed": "reads", "read_reused": "reads",

@@ -11,6 +11,7 @@ containment instead.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,27 @@ RING = 4  # eager copy slots, one per step in flight (the overlap scheduler runs
 REGIONS = 2  # id parameters per write (move_kv_cache has two)
 
 _serials = itertools.count()
+
+
+class Marks:
+    """Our attributes on sglang's objects (a pool's state, an allocator's shadow), remembered
+    so that uninstall takes every one off again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._marked: list[tuple[weakref.ref, str]] = []
+
+    def mark(self, obj: Any, attr: str, value: Any) -> None:
+        """Set one of our attributes on an object of sglang's, remembered for `unmark`."""
+        obj.__dict__[attr] = value
+        self._marked.append((weakref.ref(obj), attr))
+
+    def unmark(self) -> None:
+        for ref, attr in self._marked:
+            obj = ref()
+            if obj is not None:
+                obj.__dict__.pop(attr, None)
+        self._marked.clear()
 
 
 class PoolState:

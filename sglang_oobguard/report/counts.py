@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ..model.switches import CHECKS  # every check the guard can run: the order of the exit line and the report
+from ..model.switches import NAMES  # every check the guard can run: the order of the exit line and the report
 
 UNITS = ("steps", "writes", "frees", "allocs", "events", "transfers", "loads", "reports")
-_SLOTS = {(check, unit): i for i, (check, unit) in enumerate((c, u) for c in CHECKS for u in UNITS)}
+_SLOTS = {(check, unit): i for i, (check, unit) in enumerate((c, u) for c in NAMES for u in UNITS)}
 
 
 def slot(check: str, unit: str) -> int:
@@ -49,13 +49,13 @@ class Counts:
 
     def snapshot(self, on: Iterable[str] = (), of: Optional[list[int]] = None) -> dict[str, dict[str, int]]:
         """check -> {unit: n}: every check that is `on` (zeros included: a check that never
-        ran shows so) or counted anything, in CHECKS' order."""
+        ran shows so) or counted anything, in NAMES' order."""
         values = self.n if of is None else of
-        out: dict[str, dict[str, int]] = {check: {} for check in CHECKS if check in set(on)}
+        out: dict[str, dict[str, int]] = {check: {} for check in NAMES if check in set(on)}
         for (check, unit), i in _SLOTS.items():
             if values[i]:
                 out.setdefault(check, {})[unit] = values[i]
-        return {check: out[check] for check in CHECKS if check in out}
+        return {check: out[check] for check in NAMES if check in out}
 
 
 def line(snapshot: dict[str, dict[str, int]]) -> str:
