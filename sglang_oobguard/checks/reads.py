@@ -175,8 +175,9 @@ def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
 
 def _report(guard: Guard, state: Any, finding: readmap.ReadFinding, high: int) -> None:
     """The record of a host finding; `steps.where` names the reader, the position and the holder."""
-    record = Record(finding.bad, 1, site_id(READ_LABEL), -1, high, finding.bad, finding.numel, finding.position,
-                    finding.slot, guard.steps.number, finding.kind, finding.row, finding.seen, finding.owner)
+    record = Record.read(site=site_id(READ_LABEL), high=high, numel=finding.numel, bad=finding.bad, kind=finding.kind,
+                         reader=finding.row, position=finding.position, slot=finding.slot, generation=finding.seen,
+                         owner=finding.owner, step=guard.steps.number)
     guard.report_now(state, record)
 
 
