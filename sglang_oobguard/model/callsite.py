@@ -33,30 +33,32 @@ _OURS = (tuple(os.path.join(_PACKAGE, layer) + os.sep for layer in ("model", "re
 # objects are kept alive in _CODES, so an id in these tables is never reused for another one.
 _CALLER: dict[int, bool] = {}
 _CODES: dict[int, CodeType] = {}
-_IDS: dict[tuple, int] = {}  # (label, id(code), offset, ...): the hot path's key -> site
+_IDS: dict[tuple, int] = {}  # (owner, method, id(code), offset, ...): the hot path's key -> site
 _LINES: dict[tuple, int] = {}  # (label, id(code), line, ...) -> site
 _STACKS: list[tuple[str, tuple[tuple[CodeType, int], ...]]] = []  # per site: label, frames innermost first
 _lock = threading.Lock()
 _getframe = sys._getframe
 
 
-def here(label: str, skip: int = 1) -> int:
-    """The site of the call in progress: `label` (the allocator method) and the DEPTH
-    frames above the caller `skip` frames up, the guard's and wrapt's own frames skipped."""
+def here(owner: type, method: str, skip: int = 1) -> int:
+    """The site of the call in progress: the allocator method (`owner`'s `method`) and
+    the DEPTH frames above the caller `skip` frames up, the guard's and wrapt's own
+    frames skipped."""
     frame = _getframe(skip + 1)
-    key: list = [label]
-    caller = _CALLER
-    left = DEPTH
+    key: list = [owner, method]
+    append, caller, left = key.append, _CALLER, DEPTH
     while frame is not None:
         code = frame.f_code
-        theirs = caller.get(code_id := id(code))
-        if theirs is None:
-            theirs = _classify(code)
-        if theirs:
-            key += code_id, frame.f_lasti
-            left -= 1
-            if not left:
-                break
+        try:
+            if caller[code_id := id(code)]:
+                append(code_id)
+                append(frame.f_lasti)
+                left -= 1
+                if not left:
+                    break
+        except KeyError:  # a code object not met before: classified once, then looked at again
+            _classify(code)
+            continue
         frame = frame.f_back
     found = _IDS.get(hot := tuple(key))
     return _intern(hot) if found is None else found
@@ -72,13 +74,14 @@ def _classify(code: CodeType) -> bool:
 
 def _intern(hot: tuple) -> int:
     """The site of a key the hot path has not seen: one per label, code objects and lines."""
-    frames = tuple((_CODES[hot[i]], line_of(_CODES[hot[i]], hot[i + 1])) for i in range(1, len(hot), 2))
-    lines = (hot[0], *(part for code, line in frames for part in (id(code), line)))
+    label = f"{hot[0].__name__}.{hot[1]}"
+    frames = tuple((_CODES[hot[i]], line_of(_CODES[hot[i]], hot[i + 1])) for i in range(2, len(hot), 2))
+    lines = (label, *(part for code, line in frames for part in (id(code), line)))
     with _lock:
         found = _LINES.get(lines)
         if found is None:
             found = _LINES[lines] = len(_STACKS)
-            _STACKS.append((hot[0], frames))
+            _STACKS.append((label, frames))
         _IDS[hot] = found
     return found
 
@@ -107,10 +110,11 @@ def text(site: int) -> Optional[str]:
 
 # A step and a site packed in one int64 (the per-slot arrays store it): step << SITE_BITS | site.
 SITE_BITS = 24
+_SITES = (1 << SITE_BITS) - 1
 
 
 def pack(step: int, site: int) -> int:
-    return (max(step, -1) + 1) << SITE_BITS | (site & ((1 << SITE_BITS) - 1))
+    return (max(step, -1) + 1) << SITE_BITS | (site & _SITES)
 
 
 NONE = -1  # no event yet
@@ -120,4 +124,4 @@ def unpack(value: int) -> tuple[int, int]:
     """(step, site) of a packed event; (-1, -1) for none."""
     if value < 0:
         return -1, -1
-    return (value >> SITE_BITS) - 1, value & ((1 << SITE_BITS) - 1)
+    return (value >> SITE_BITS) - 1, value & _SITES
