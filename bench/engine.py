@@ -82,8 +82,9 @@ GUARDED = {"strict", "liveness", "finite", "all", "warn", "both"}
 DEFAULT_CONFIGS = ("off", "upstream", "strict", "liveness", "warn", "both")  # finite, all: asked for by name
 # (configuration, baseline, at least): CPU engine targets of issue 24
 TARGETS = [("strict", "off", 0.97), ("liveness", "off", 0.95), ("both", "upstream", 0.97)]
-# the guard's own time (issue 35): under 1% of the forward step at batch 8, under 20 us per step at batch 1
-OWN_SHARE_TARGET, OWN_US_TARGET = 0.01, 20.0
+# the guard's own time (issue 35): under 1% of the forward step at batch 8. Its 20 us per step at batch 1 is
+# retired (issue 46: out of reach of any wrapt guard); bench/run.py measures the step against its floor instead.
+OWN_SHARE_TARGET = 0.01
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -338,12 +339,10 @@ def own_table(args: argparse.Namespace, summary: dict) -> str:
 
 
 def own_targets(args: argparse.Namespace, row: dict) -> str:
-    """The own-time targets that apply to this batch, met or missed by `row`'s figures."""
-    if args.batch == 1:
-        return f"< {OWN_US_TARGET:.0f} us: {'meets' if row['own_us'] < OWN_US_TARGET else 'MISSES'}"
+    """The own-time target that applies to this batch, met or missed by `row`'s figures."""
     if args.batch == 8:
         return f"< {OWN_SHARE_TARGET:.0%}: {'meets' if row['own_share'] < OWN_SHARE_TARGET else 'MISSES'}"
-    return "(targets at batch 1 and 8)"
+    return "(target at batch 8)"
 
 
 def header(args: argparse.Namespace) -> str:
