@@ -40,9 +40,9 @@ so engines waiting their turn take no CPU from the one timed.
 `contexts=C1,C2,...`: long contexts instead (bench/engine.py's cost per check): each
 request's prompt is C token ids, one shared prefix of C - 1 (the same ids at every C)
 and an id of its own, with the radix cache on, so the prefix is prefilled once (in the
-warm-up, at every C and the largest batch) and each decode step reads about C tokens per
-request. A `round batch=B context=C` line times B requests at context C (B at most the
-engine's batch=, C one of its contexts).
+warm-up: one request at the longest C, then the batch at every C) and each decode step
+reads about C tokens per request. A `round batch=B context=C` line times B requests at
+context C (B at most the engine's batch=, C one of its contexts).
 `cuda`: sglang's defaults on a GPU instead of the CPU engine (CUDA graphs and the
 overlap scheduler on; Triton attention, pytorch sampling).
 
