@@ -82,16 +82,26 @@ GUARDED = {"strict", "liveness", "finite", "all", "warn", "both"}
 DEFAULT_CONFIGS = ("off", "upstream", "strict", "liveness", "warn", "both")  # finite, all: asked for by name
 # (configuration, baseline, at least): CPU engine targets of issue 24
 TARGETS = [("strict", "off", 0.97), ("liveness", "off", 0.95), ("both", "upstream", 0.97)]
-# the guard's own time (issue 35): under 1% of the forward step at batch 8, under 20 us per step at batch 1
-OWN_SHARE_TARGET, OWN_US_TARGET = 0.01, 20.0
+# the guard's own time (issue 35): under 1% of the forward step at batch 8. Its 20 us per step at batch 1 is
+# retired (issue 46: out of reach of any wrapt guard); bench/run.py measures the step against its floor instead.
+OWN_SHARE_TARGET = 0.01
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8, help="concurrent greedy requests (default 8)")
-    ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    ap.add_argument("--new-tokens", type=int, help="new tokens per request (default 128; --per-check 32)")
     ap.add_argument("--layers", type=int, default=8, help="layers of the tiny Llama (default 8)")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (default 7; --per-check 2)")
+    ap.add_argument("--per-check", action="store_true",
+                    help="instead of --configs: one engine per check (SGLANG_OOBGUARD_CHECKS), their own time over a "
+                         "grid of batch and context, and issue 46's targets (bench/check_cost.py)")
+    ap.add_argument("--grid", choices=("targets", "full", "smoke"), default="targets",
+                    help="--per-check: batch 8 at context 512 and 4096 (default: about 10 minutes here), or full: "
+                         "batch 1, 8 and 64 at both (about an hour)")
+    ap.add_argument("--at-once", type=int, default=5, help="--per-check: engines up at a time (default 5)")
+    ap.add_argument("--columns", default="bounds,map,strict,liveness,owners,history,reads,finite,all",
+                    help="--per-check: which columns (default all of them)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, of {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -103,12 +113,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--png", type=Path, help="a chart of the per-round ratios (needs matplotlib: the bench extra)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the engine options; start nothing")
     args = ap.parse_args(argv)
+    args.new_tokens = args.new_tokens or (32 if args.per_check else 128)
+    args.rounds = args.rounds or (2 if args.per_check else 7)
     args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+    args.columns = [name.strip() for name in args.columns.split(",") if name.strip()]
     unknown = [name for name in args.configs if name not in CONFIGS]
     if unknown or "off" not in args.configs:
         ap.error(f"--configs: unknown {unknown}" if unknown else "--configs must include off (the baseline)")
-    if args.new_tokens < 2 or args.batch < 1 or args.rounds < 1 or args.layers < 1:
-        ap.error("--new-tokens >= 2, --batch, --rounds, --layers >= 1")
+    if args.new_tokens < 2 or args.batch < 1 or args.rounds < 1 or args.layers < 1 or args.at_once < 1:
+        ap.error("--new-tokens >= 2, --batch, --rounds, --layers, --at-once >= 1")
     return args
 
 
@@ -136,45 +149,54 @@ def num(value: float, digits: int = 0) -> str:
     return "n/a" if value != value else f"{value:.{digits}f}"
 
 
-def measure(args: argparse.Namespace, model: Path) -> dict:
+def measure(args: argparse.Namespace, model: Path, configs: dict[str, dict[str, str]] | None = None,
+            points: tuple[dict[str, int], ...] = ({},), options: tuple[str, ...] = ()) -> dict:
+    """Each configuration's engine started (`configs`: name -> environment; CONFIGS's of
+    --configs by default), then round by round every engine in turn (the order rotated),
+    once per grid point (`points`: a round's batch= and context=, engine_run.py's serve)."""
     from e2e.harness import Served
 
-    options = engine_args(args)
+    options = options or engine_args(args)
+    configs = configs or {name: CONFIGS[name][1] for name in args.configs}
+    guarded = {name for name in configs if name in GUARDED or name not in CONFIGS}  # others' (check_cost): all guarded
     engines: dict[str, Served] = {}
 
     common = {"OMP_NUM_THREADS": str(args.threads)} if args.device == "cpu" else {}
-    own = {name: str(model.parent / f"owntime-{name}") for name in args.configs if name in GUARDED}
+    own = {name: str(model.parent / f"owntime-{name}") for name in guarded}
 
     def start(name: str) -> None:
         began = time.monotonic()
-        env = {**common, **CONFIGS[name][1], **({OWN_TIME_VAR: own[name]} if name in own else {})}
+        env = {**common, **configs[name], **({OWN_TIME_VAR: own[name]} if name in own else {})}
         served = Served(model, env, options)
         engines[name] = served
-        served.ready()
+        served.ready(900)
         print(f"engine {name} ready in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
 
-    results: dict = {name: [] for name in args.configs}
+    names = list(configs)
+    results: dict = {name: [] for name in names}
     runs = {}
     try:
         t0 = time.monotonic()
         with ThreadPoolExecutor(max_workers=max(1, args.start)) as pool:  # bounded: start-up is CPU-bound
-            for future in [pool.submit(start, name) for name in args.configs]:
+            for future in [pool.submit(start, name) for name in names]:
                 future.result()
         startup = time.monotonic() - t0
         for r in range(args.rounds):
-            k = r % len(args.configs)
-            order = args.configs[k:] + args.configs[:k]
-            for name in order:
-                before = owntime.read(own[name]) if name in own else None
-                got = engines[name].round()
-                got["order"] = order.index(name)
-                if before is not None:  # kind -> (own ns, calls, inclusive ns) in this round
-                    got["own"] = {kind: [a - b for a, b in zip(after, before[kind])]
-                                  for kind, after in owntime.read(own[name]).items()}
-                results[name].append(got)
-            print(f"round {r + 1}/{args.rounds} (wall tok/s, tok per CPU-s): " + ", ".join(
-                f"{name} {num(tok_s(results[name][-1]))} {num(tok_cpu(results[name][-1]))}" for name in args.configs),
-                file=sys.stderr, flush=True)
+            for point, size in enumerate(points):
+                k = (r * len(points) + point) % len(names)
+                order = names[k:] + names[:k]
+                for name in order:
+                    before = owntime.read(own[name]) if name in own else None
+                    got = engines[name].round(**size)
+                    got.update(order=order.index(name), point=point)
+                    if before is not None:  # kind -> (own ns, calls, inclusive ns) in this round
+                        got["own"] = {kind: [a - b for a, b in zip(after, before[kind])]
+                                      for kind, after in owntime.read(own[name]).items()}
+                    results[name].append(got)
+                print(f"round {r + 1}/{args.rounds} {' '.join(f'{k}={v}' for k, v in size.items())} (wall tok/s, "
+                      "tok per CPU-s): " + ", ".join(f"{name} {num(tok_s(results[name][-1]))} "
+                                                     f"{num(tok_cpu(results[name][-1]))}" for name in names),
+                      file=sys.stderr, flush=True)
     finally:
         for name, served in engines.items():
             runs[name] = served.close()
@@ -187,10 +209,10 @@ def measure(args: argparse.Namespace, model: Path) -> dict:
             raise SystemExit(f"bench/engine.py: the {name} engine exited {run.returncode}, "
                              f"leftovers {run.leftovers}:\n{run.log[-3000:]}")
     active = {name: "sglang_oobguard active (pid" in run.log for name, run in runs.items()}
-    for name in args.configs:  # each configuration is what it says: the guard on exactly where asked
-        if active[name] != (name in GUARDED):
+    for name in names:  # each configuration is what it says: the guard on exactly where asked
+        if active[name] != (name in guarded):
             raise SystemExit(f"bench/engine.py: the {name} engine: guard active = {active[name]}, expected "
-                             f"{name in GUARDED}:\n{runs[name].log[-3000:]}")
+                             f"{name in guarded}:\n{runs[name].log[-3000:]}")
     return {"rounds": results, "startup_s": startup}
 
 
@@ -317,12 +339,10 @@ def own_table(args: argparse.Namespace, summary: dict) -> str:
 
 
 def own_targets(args: argparse.Namespace, row: dict) -> str:
-    """The own-time targets that apply to this batch, met or missed by `row`'s figures."""
-    if args.batch == 1:
-        return f"< {OWN_US_TARGET:.0f} us: {'meets' if row['own_us'] < OWN_US_TARGET else 'MISSES'}"
+    """The own-time target that applies to this batch, met or missed by `row`'s figures."""
     if args.batch == 8:
         return f"< {OWN_SHARE_TARGET:.0%}: {'meets' if row['own_share'] < OWN_SHARE_TARGET else 'MISSES'}"
-    return "(targets at batch 1 and 8)"
+    return "(target at batch 8)"
 
 
 def header(args: argparse.Namespace) -> str:
@@ -415,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps({"dry_run": True, "configs": args.configs}))
         return 0
+    if args.per_check:
+        from check_cost import run
+
+        return run(args)
     from e2e.tiny_model import build_tiny_llama
 
     with tempfile.TemporaryDirectory(prefix="oobguard-bench-engine-") as folder:

@@ -4,6 +4,8 @@ allocator and pool, on the CPU; the call site costs one interned int per call.""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import sglang_oobguard
@@ -81,13 +83,21 @@ def test_generations_rise_at_each_allocation_of_a_slot(tracked):
 
 
 def test_call_sites_are_interned_by_code_and_line():
+    class X:
+        pass
+
     def where():
-        return callsite.here("X.alloc", skip=0)
+        return callsite.here(X, "alloc", skip=0)
 
     first, second = where(), where()
     assert first == second  # the same line: one id
-    other = callsite.here("X.alloc", skip=0)
+    other = callsite.here(X, "alloc", skip=0)
     assert other != first
+    # two calls on one line (two instructions): one site, as the text reads the same
+    assert callsite.here(X, "alloc", skip=0) == callsite.here(X, "alloc", skip=0) != other
+    line = sys._getframe().f_lineno + 1  # the next line's: the line of the call, as f_lineno reads it
+    assert callsite.text(callsite.here(X, "alloc", skip=0)).endswith(f"(test_history.py:{line}) > X.alloc")
+    assert callsite.here(X, "free", skip=0) != callsite.here(X, "alloc", skip=0)  # the method is part of the site
     assert callsite.text(first).endswith("> X.alloc") and "test_call_sites_are_interned_by_code_and_line" \
         in callsite.text(first)
     assert callsite.unpack(callsite.pack(57, first)) == (57, first)

@@ -163,7 +163,7 @@ def make_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
             return wrapped(*args, **kwargs)
         event = callsite.NONE
         if state.live.history is not None:  # slot history on: the caller's frames, interned
-            event = callsite.pack(guard.steps.number, callsite.here(f"{type(instance).__name__}.{method}"))
+            event = callsite.pack(guard.steps.number, callsite.here(type(instance), method))
         return HANDLERS[role](guard, instance, state, free_site(method, role, type(instance)),
                               Call(wrapped, args, kwargs, method, event))
 

@@ -4,7 +4,7 @@ tokenized as one batch, so they are prefilled together and token i of every deco
 step belongs to request i on every run.
 
     python tests/e2e/engine_run.py MODEL_DIR [batch|radix] [amx|eagle|ngram] [tp=2]
-    python tests/e2e/engine_run.py MODEL_DIR serve [batch=8] [tokens=128] [cuda]
+    python tests/e2e/engine_run.py MODEL_DIR serve [batch=8] [tokens=128] [contexts=512,4096] [cuda]
     python tests/e2e/engine_run.py MODEL_DIR decode [abort]
     python tests/e2e/engine_run.py MODEL_DIR random SEED [page=P]
 
@@ -37,6 +37,12 @@ tokens and then 1 (the prefill and its one sampled token), and prints `ROUND {js
 with both times (wall clock, and the CPU seconds of the engine's processes) and the
 tokens; `quit` shuts the engine down. The scheduler sleeps when idle (`sleep_on_idle`),
 so engines waiting their turn take no CPU from the one timed.
+`contexts=C1,C2,...`: long contexts instead (bench/engine.py's cost per check): each
+request's prompt is C token ids, one shared prefix of C - 1 (the same ids at every C)
+and an id of its own, with the radix cache on, so the prefix is prefilled once (in the
+warm-up: one request at the longest C, then the batch at every C) and each decode step
+reads about C tokens per request. A `round batch=B context=C` line times B requests at
+context C (B at most the engine's batch=, C one of its contexts).
 `cuda`: sglang's defaults on a GPU instead of the CPU engine (CUDA graphs and the
 overlap scheduler on; Triton attention, pytorch sampling).
 
@@ -108,14 +114,18 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
     options = {**ENGINE, **WORKLOADS[workload][1]}
     if workload == "serve":
         batch, tokens = serve_size(extra)
+        longest = max(serve_contexts(extra), default=0)
         # the pool is max_total_tokens; a larger static fraction only keeps sglang's start-up check (weights
         # against *available* memory) from failing when other work has taken memory: 0.05 did at 1.7 GB free
         options.update(max_total_tokens=max(2048, 2 * batch * (tokens + 32)), max_running_requests=batch,
                        context_length=max(512, tokens + 64), mem_fraction_static=0.5)
+        if longest:  # the finished requests' tokens stay in the radix tree: room for many rounds before eviction
+            options.update(max_total_tokens=longest + 32 * batch * (tokens + 2), context_length=longest + tokens + 64,
+                           disable_radix_cache=False)
         if "cuda" in extra:
             options = {key: value for key, value in options.items() if key not in ("device", "disable_cuda_graph")}
             options.update(CUDA, cuda_graph_max_bs=batch)
-        extra = [arg for arg in extra if arg != "cuda" and not arg.startswith(("batch=", "tokens="))]
+        extra = [arg for arg in extra if arg != "cuda" and not arg.startswith(("batch=", "tokens=", "contexts="))]
     for arg in extra:
         if arg == "amx":  # plain decoding on intel_amx: its decode op writes K/V itself
             options.update(attention_backend="intel_amx", mem_fraction_static=0.3)
@@ -153,11 +163,28 @@ def serve_size(extra: list[str]) -> tuple[int, int]:
     return values["batch"], values["tokens"]
 
 
+def serve_contexts(extra: list[str]) -> list[int]:
+    return [int(c) for arg in extra if arg.startswith("contexts=") for c in arg[len("contexts="):].split(",") if c]
+
+
+def long_prompts(batch: int, context: int) -> list[list[int]]:
+    """`batch` prompts of `context` token ids: one shared prefix (the same ids at every
+    context, seeded), then an id of each request's own."""
+    import random
+
+    from tiny_model import VOCAB
+
+    draw = random.Random(0)
+    prefix = [draw.randrange(2, VOCAB) for _ in range(context - 1)]
+    return [prefix + [2 + i % (VOCAB - 2)] for i in range(batch)]
+
+
 def serve(engine, extra: list[str]) -> dict:
     """Rounds on command (stdin), one ROUND line each; see the module's docstring."""
     import time
 
     batch, tokens = serve_size(extra)
+    contexts = serve_contexts(extra)
     prompts = serve_prompts(batch)
 
     import psutil
@@ -175,24 +202,34 @@ def serve(engine, extra: list[str]) -> dict:
                 pass
         return total
 
-    def generate(new: int) -> tuple[float, float, list]:
+    def generate(new: int, size: int = batch, context: int = 0) -> tuple[float, float, list]:
+        params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
         start, start_cpu = time.perf_counter(), cpu()
-        outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+        if context:
+            outs = engine.generate(input_ids=long_prompts(size, context), sampling_params=params)
+        else:
+            outs = engine.generate(prompts[:size], params)
         return time.perf_counter() - start, cpu() - start_cpu, outs
 
-    generate(tokens)  # warm-up, one untimed round: first-call costs (allocations, lazy imports) out of the rounds
-    generate(1)
+    for context in sorted(contexts, reverse=True) or [0]:  # warm-up, an untimed round each: first-call costs
+        if context:  # (allocations, lazy imports) out of the rounds; the shared prefix prefilled once, longest first
+            generate(1, 1, context)
+        generate(tokens, batch, context)
+        generate(1, batch, context)
     print("READY", flush=True)
     rounds = 0
     for line in sys.stdin:
-        if line.strip() != "round":
+        command, *asked = line.split() or [""]
+        if command != "round":
             break
-        full, full_cpu, outs = generate(tokens)
-        prefill, prefill_cpu, _ = generate(1)
+        size = dict(arg.split("=") for arg in asked)
+        size, context = int(size.get("batch", batch)), int(size.get("context", 0))
+        full, full_cpu, outs = generate(tokens, size, context)
+        prefill, prefill_cpu, _ = generate(1, size, context)
         rounds += 1
         print("ROUND " + json.dumps({
             "round": rounds, "full_s": full, "prefill_s": prefill, "full_cpu_s": full_cpu, "prefill_cpu_s": prefill_cpu,
-            "batch": batch, "tokens": tokens,
+            "batch": size, "context": context, "tokens": tokens,
             "completion_tokens": [out["meta_info"].get("completion_tokens") for out in outs],
             "e2e_latency": [out["meta_info"].get("e2e_latency") for out in outs],
             "outputs": [out.get("output_ids") for out in outs]}), flush=True)

@@ -150,9 +150,10 @@ class Served:
     def ready(self, timeout: float = 300) -> None:
         self._expect("READY", 0, timeout)
 
-    def round(self, timeout: float = 600) -> dict:
+    def round(self, timeout: float = 600, **size: int) -> dict:
+        """One timed round; `size`: batch=B, context=C (engine_run.py's serve workload)."""
         since = len(self.lines)
-        self._stdin.write("round\n")
+        self._stdin.write(" ".join(["round", *(f"{key}={value}" for key, value in size.items())]) + "\n")
         self._stdin.flush()
         # the object alone: under load another process's output was once seen glued after it on its line
         return json.JSONDecoder().raw_decode(self._expect("ROUND ", since, timeout))[0]

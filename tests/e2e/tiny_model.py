@@ -12,8 +12,9 @@ _TEXT = ("the quick brown fox jumps over the lazy dog. a stale slot id writes in
          "sglang serves language models; the radix cache shares prompt prefixes between requests. ") * 50
 
 
-def build_tiny_llama(path: Path, layers: int = 2) -> Path:
-    """Build once per directory; later calls return at once."""
+def build_tiny_llama(path: Path, layers: int = 2, positions: int = 512) -> Path:
+    """Build once per directory; later calls return at once. `positions`: the longest
+    context it serves (max_position_embeddings)."""
     path = Path(path)
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path
@@ -23,7 +24,7 @@ def build_tiny_llama(path: Path, layers: int = 2) -> Path:
     _tokenizer(path)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                          bos_token_id=0, eos_token_id=1, torch_dtype="float32", tie_word_embeddings=False,
                          initializer_range=0.5)  # large weights: a corrupted KV row visibly changes tokens
     _save(LlamaForCausalLM(config), path)
