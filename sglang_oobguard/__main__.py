@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="what the guard covers on the installed sglang")
     sub.add_parser("help", help="the checks SGLANG_OOBGUARD_CHECKS turns on and off: name, default, what it catches")
     report_cmd = sub.add_parser("report", help="summarise a report folder (SGLANG_OOBGUARD_REPORT_DIR); "
-                                "exit 1 on any violation, 2 when no process was guarded")
+                                "exit 1 on any violation, 2 when no process was guarded, 3 when a check "
+                                "asked for did not install in some process")
     report_cmd.add_argument("folder", help="the folder the guarded processes wrote to")
     report_cmd.add_argument("--json", action="store_true", help="the same summary as JSON")
     args = parser.parse_args(argv)

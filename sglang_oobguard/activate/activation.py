@@ -1,12 +1,15 @@
-"""Activation: what a process says when its guard installs: what is on, and what this sglang lacks."""
+"""Activation: what a process says when its guard installs: what is on, what this sglang
+lacks, and each hook that could not install after its module loaded."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..checks import reads
 from ..checks.registry import UNITS
 from ..model import config as config_mod
+from ..model.log import logger
 from ..model.swatargets import FAMILIES_SHORT
 from ..model.targets import FUSED_WRITERS, STEP_HOOK, UNMAPPED, module_file, write_map_off
 
@@ -44,3 +47,31 @@ def absent_hooks() -> list[str]:
     absent += [f"{writer.label} (no {' or '.join(writer.modules)} in this sglang)" for writer in FUSED_WRITERS
                if all(module_file(module) is None for module in writer.modules)]
     return absent
+
+
+# The checks each hook outside the pool classes carries (a unit's own hooks carry its check):
+# where one does not install, these do not run in that process (the step check's bounds: not
+# on out_cache_loc).
+ALLOCATORS = ("liveness", "history", "owners", "reads", "swa", "pd")  # the tracked allocators' shadows
+STEP = ("bounds", "map", "owners", "reads", "ownids")  # each forward step's out_cache_loc
+WRITERS = ("bounds", "finite")
+
+
+class Missing(LookupError):
+    """What a hook wraps is not in its module, which has finished importing."""
+
+
+def not_installed(config: config_mod.Config, what: str, module: str, carries: tuple[str, ...],
+                  exc: Exception) -> dict[str, Any]:
+    """The activation record's entry (`unguarded`) of a hook that did not install after its
+    module loaded: what, where, the checks asked for that it carries, and why."""
+    why = str(exc) if isinstance(exc, Missing) else f"{type(exc).__name__}: {exc}"
+    return {"hook": what, "module": module, "checks": [name for name in carries if name in config.checks], "why": why}
+
+
+def warn(entry: dict[str, Any]) -> None:
+    """The loud WARNING of a hook that did not install: what is unguarded in this process."""
+    checks = entry["checks"]
+    logger.warning("sglang_oobguard: NOT GUARDED in this process (pid %d): %s did not install after %s loaded (%s); "
+                   "%s", os.getpid(), entry["hook"], entry["module"], entry["why"],
+                   f"checks that do not run here: {', '.join(checks)}" if checks else "no check depends on it")

@@ -5,9 +5,13 @@ wraps each one a rule covers with `wrapt.wrap_function_wrapper`; a hook on KVCac
 `__init_subclass__` does the same for pool classes that sglang defines later (their
 modules load after the plugin runs), and one on `KVCache.__init__` gives every pool
 its state as it is built. In each pool module, the binding of upstream's own probe
-skips the calls that duplicate ours. With liveness on, the tracked allocators'
-methods are wrapped too (`liveness`). Every patch is recorded as it is made, and
-`uninstall` puts back the exact original objects in one place, newest first.
+skips the calls that duplicate ours. The hooks outside the pool classes (the step
+check, the idle hook, the fused writers, the units' own hooks, and with liveness on
+the tracked allocators' methods: `modulehooks`) each install when their own module
+finishes importing (`onimport`), whatever order sglang imports them in; one that
+cannot is named (`activation.not_installed`). Every patch is recorded as it is made
+(`patches`), and `uninstall` puts back the exact original objects in one place,
+newest first.
 """
 
 from __future__ import annotations
@@ -19,23 +23,18 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
-import wrapt
-
 from ..checks import flush, reads
-from . import activation
+from . import activation, modulehooks, onimport
+from .modulehooks import ModuleHooks
 from .patches import MISSING, Patch, Patches
 from ..checks.guard import Guard
 from ..checks.registry import UNITS
-from ..checks.stepcheck import make_forward_hook
-from ..checks.writers import make_writer_wrapper
 from ..checks.writes import attach_existing, make_constructor_hook, make_upstream_skip, make_wrapper
 from ..model import config as config_mod
-from ..model.discover import (AllocatorMethod, Found, Skipped, allocator_targets, base_class, defining, discover,
-                              pool_classes, resolve, write_methods)
-from ..model.swatargets import SWA_ALLOCATOR_MODULE
+from ..model.discover import (AllocatorMethod, Found, Skipped, base_class, discover, pool_classes, resolve,
+                              write_methods)
 from ..model.log import ensure_visible, logger
-from ..model.targets import (FUSED_WRITERS, IDLE_HOOK, STEP_HOOK, UPSTREAM_PROBE, is_supported,
-                             version_of_sglang)
+from ..model.targets import UPSTREAM_PROBE, is_supported, version_of_sglang
 from ..model.violation import Violation
 from ..report.files import open_report
 
@@ -45,6 +44,7 @@ class Instrumentor:
     def __init__(self, config: config_mod.Config) -> None:
         self.guard = Guard(config, UNITS)
         self.patches = Patches(self.guard.own_time)
+        self.hooks = ModuleHooks(self.guard, self.patches)  # outside the pool classes, as their modules load
 
     def instrument(self, base: type) -> list[str]:
         """Wrap what discovery finds; returns the methods a reader should know are not guarded."""
@@ -57,45 +57,9 @@ class Instrumentor:
         self._hook_new_classes(base)
         classes = set(pool_classes(base))  # exact types: an ABC subclass check per object costs seconds
         attach_existing(self.guard, (obj for obj in gc.get_objects() if type(obj) in classes))
-        if self.guard.config.liveness:
-            self.track_allocators()
-        for module in _hooked_modules():
-            _when_imported(module)
+        for module in modulehooks.modules():
+            onimport.watch(module, _on_import)
         return skipped
-
-    def patch_module(self, module: ModuleType) -> None:
-        """A module outside the pools was imported: hook what the targets name in it."""
-        if module.__name__ == STEP_HOOK.module:
-            self._hook_step(module)
-        if module.__name__ == IDLE_HOOK.module:
-            self._hook_idle(module)
-        for writer in FUSED_WRITERS:
-            if module.__name__ in writer.modules:
-                try:
-                    self._wrap_writer(module, writer)
-                except Exception as exc:  # one writer that does not fit leaves the others guarded
-                    self.guard.internal_error(f"wrapping {writer.function}", exc)
-
-    def _hook_step(self, module: ModuleType) -> None:
-        owner = getattr(module, STEP_HOOK.owner, None)
-        if owner is None or STEP_HOOK.method not in owner.__dict__:
-            logger.warning("sglang_oobguard: %s.%s.%s not found: no forward-step check in this sglang",
-                           STEP_HOOK.module, STEP_HOOK.owner, STEP_HOOK.method)
-            return
-        self.patches.wrap(owner, STEP_HOOK.method, make_forward_hook(self.guard, STEP_HOOK.pool_attr), "step")
-
-    def _hook_idle(self, module: ModuleType) -> None:
-        owner, method = defining(getattr(module, IDLE_HOOK.owner, None), IDLE_HOOK.methods)
-        if owner is None:
-            logger.warning("sglang_oobguard: no %s.%s.(%s): counts are filed by the idle thread and at exit only",
-                           IDLE_HOOK.module, IDLE_HOOK.owner, " or ".join(IDLE_HOOK.methods))
-            return
-        self.patches.wrap(owner, method, flush.make_idle_hook(self.guard), "other")
-
-    def _wrap_writer(self, module: ModuleType, writer: Any) -> None:
-        if writer.function in module.__dict__:
-            self.patches.wrap(module, writer.function,
-                       make_writer_wrapper(writer, self.guard, module.__dict__[writer.function]), "writer")
 
     def guard_classes(self, entries: list[Union[Found, Skipped]]) -> list[str]:
         """Wrap every Found; returns the Skipped that a reader should know of (a method
@@ -112,19 +76,6 @@ class Instrumentor:
                 self.guard.name_site(site, ids.bound.rule)
             self._skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
         return skipped
-
-    def track_allocators(self) -> None:
-        """Wrap the tracked allocators' methods; name those whose pools get the bound check only."""
-        targets = allocator_targets()
-        if isinstance(targets, str):
-            logger.warning("sglang_oobguard: liveness NOT tracked: %s", targets)
-            return
-        methods, untracked = targets
-        for target in methods:
-            self.patches.wrap(target.owner, target.method, _allocator_wrapper(target, self.guard), "allocator", target)
-        if untracked:
-            logger.warning("sglang_oobguard: liveness not tracked for the pools of %s (bound check only)",
-                           ", ".join(untracked))
 
     def untrack_allocators(self) -> None:
         """Liveness turned off by a later install(): unwrap the allocators and forget the
@@ -166,45 +117,15 @@ def _hook_pools(classes: list[type], guard: Guard, wrap: Callable[[Any, str, Cal
             unit.pool_hook(classes, guard, wrap)
 
 
-def _allocator_wrapper(target: AllocatorMethod, guard: Guard) -> Callable[..., Any]:
-    """A tracked allocator method's wrapper: the first unit's that owns its family."""
-    return next(wrapper for unit in UNITS if unit.allocators is not None
-                for wrapper in [unit.allocators(target, guard)] if wrapper is not None)
-
-
 _active: Optional[Instrumentor] = None
 _lock = threading.RLock()  # one install at a time; re-entered by the .pth hook's install inside ours
-_watched: set[str] = set()  # modules with our post-import hook (wrapt keeps hooks for the process)
-
-
-def _hooked_modules() -> list[str]:
-    return [STEP_HOOK.module, IDLE_HOOK.module, SWA_ALLOCATOR_MODULE, *(m for unit in UNITS for m in unit.modules),
-            *(module for writer in FUSED_WRITERS for module in writer.modules)]
-
-
-def _when_imported(module: str) -> None:
-    """Patch `module` for the active instrumentor: now if it is imported, else when it
-    is. One hook per module for the process, which reaches whichever instrumentor is
-    active then (an uninstalled one is not kept alive by it)."""
-    if module in _watched:
-        if module in sys.modules and _active is not None:
-            _on_import(sys.modules[module])
-        return
-    _watched.add(module)
-    wrapt.register_post_import_hook(_on_import, module)
 
 
 def _on_import(module: ModuleType) -> None:
+    """One hook per module for the process (`onimport.watch`): it reaches whichever
+    instrumentor is active then (an uninstalled one is not kept alive by it)."""
     if _active is not None:
-        try:
-            for unit in UNITS:
-                if unit.hook is not None and module.__name__ in unit.modules:
-                    unit.hook(module, _active.guard, _active.patches.of_kind("transfer"))
-            if module.__name__ == SWA_ALLOCATOR_MODULE and _active.guard.config.liveness:
-                _active.track_allocators()  # the SWA allocators' module loads after the plugin runs
-            _active.patch_module(module)
-        except Exception as exc:  # never raised into sglang's import
-            _active.guard.internal_error(f"patching {module.__name__}", exc)
+        _active.hooks.patch_module(module)
 
 
 def _config_for(mode: Optional[str]) -> config_mod.Config:
@@ -240,8 +161,11 @@ def _reconfigure(config: config_mod.Config) -> tuple[Union[Found, AllocatorMetho
     _active.guard.configure(config)
     for entry in _active.guard.found:  # sglang's flag on now: its duplicate probes skipped from now on
         _active._skip_upstream_duplicates(sys.modules.get(entry.owner.__module__))
-    if config.liveness != tracking:
-        _active.track_allocators() if config.liveness else _active.untrack_allocators()
+    if config.liveness and not tracking:  # tracked now if their module is complete, else when it is
+        for module in modulehooks.ALLOCATOR_MODULES:
+            onimport.watch(module, _on_import)
+    elif tracking and not config.liveness:
+        _active.untrack_allocators()
     return _active.patches.entries
 
 
@@ -258,7 +182,8 @@ def _install(config: config_mod.Config, base: type) -> tuple[Union[Found, Alloca
         logger.warning("sglang_oobguard: sglang %s%s; not guarded: %s", version,
                        "" if is_supported(version) else " is outside the supported range",
                        "; ".join(skipped + absent) or "nothing")
-    _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent, _active.guard.checks_on())
+    _active.guard.reporter.file = open_report(config, version, guarded, skipped + absent, _active.guard.checks_on(),
+                                              _active.hooks.unguarded)
     return _active.patches.entries
 
 

@@ -1,7 +1,9 @@
 """Report files: each guarded process appends JSON lines to a file of its own in
 SGLANG_OOBGUARD_REPORT_DIR, for a CI job to gate on (`summary` reads them back).
 
-One activation record when the guard installs (naming the checks that are on), one
+One activation record when the guard installs (naming the checks that are on, and
+in `unguarded` each hook that could not install after its module loaded), one
+`unguarded` record for each such hook after it, one
 record per reported violation: `Violation.as_dict()`, so every field the report
 has (or gains) is in the file with no second schema; and a `counts` record
 (`report.counts`: what each check did) whenever the server idles after new work, and
@@ -22,13 +24,13 @@ import socket
 import sys
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ..model.log import logger
 from ..model.violation import Violation
 
 FORMAT = 1  # bumped when a record's meaning changes; `summary` reads this format
-ACTIVATION, VIOLATION, COUNTS = "activation", "violation", "counts"
+ACTIVATION, VIOLATION, COUNTS, UNGUARDED = "activation", "violation", "counts", "unguarded"
 PREFIX, SUFFIX = "oobguard-", ".jsonl"
 
 
@@ -59,6 +61,12 @@ class ReportFile:
 
     def counts(self, counts: dict[str, dict[str, int]], final: bool) -> None:
         self._append({"kind": COUNTS, "counts": counts, "final": final})
+
+    def unguarded(self, entry: dict[str, Any]) -> None:
+        """A hook that did not install after the activation record: its own record, and in
+        the activation record of any child forked from now on."""
+        self.activation.setdefault(UNGUARDED, []).append(entry)
+        self._append({"kind": UNGUARDED, **entry})
 
     def _append(self, record: Optional[dict[str, Any]]) -> None:
         """Write one record (None: only make sure the file is open); never raises. The
@@ -93,14 +101,15 @@ class ReportFile:
 
 
 def activation_record(config: Any, sglang_version: str, guarded: list[str], not_guarded: list[str],
-                      checks: tuple[str, ...] = ()) -> dict[str, Any]:
+                      checks: tuple[str, ...] = (), unguarded: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """What the activation record says of this process: the guard's settings, what it
-    guards, and which sglang process (and ranks) it runs in, where that is known."""
+    guards, the hooks that did not install, and which sglang process (and ranks) it
+    runs in, where that is known."""
     role, ranks = process_role()
     return {"oobguard": _our_version(), "sglang": sglang_version, "mode": config.mode.value,
             "backend": config.backend.value, "liveness": config.liveness, "finite": config.finite,
             "checks": list(checks), "guarded": len(guarded),
-            "methods": guarded, "not_guarded": not_guarded, "role": role, "ranks": ranks,
+            "methods": guarded, "not_guarded": not_guarded, UNGUARDED: list(unguarded), "role": role, "ranks": ranks,
             "argv": " ".join(sys.argv)[:300]}
 
 
@@ -131,11 +140,11 @@ def _our_version() -> str:
 
 
 def open_report(config: Any, sglang_version: str, guarded: list[str], not_guarded: list[str],
-                checks: tuple[str, ...] = ()) -> Optional[ReportFile]:
+                checks: tuple[str, ...] = (), unguarded: Sequence[dict[str, Any]] = ()) -> Optional[ReportFile]:
     """The process's report file with its activation record written, when the
     configuration names a folder; None otherwise."""
     if config.report_dir is None:
         return None
-    report = ReportFile(config.report_dir, activation_record(config, sglang_version, guarded, not_guarded, checks))
+    report = ReportFile(config.report_dir, activation_record(config, sglang_version, guarded, not_guarded, checks, unguarded))
     report.start()
     return report

@@ -1,7 +1,9 @@
 """`python -m sglang_oobguard report DIR`: what the guarded processes of a run
 reported, read back from their files in SGLANG_OOBGUARD_REPORT_DIR (`reportfile`),
-with an exit code that gates a CI job: 1 on any violation, 0 on none, and 2 when no
-process was guarded at all (a guard that never ran is a failure, not a pass).
+with an exit code that gates a CI job: 1 on any violation, 0 on none, 2 when no
+process was guarded at all (a guard that never ran is a failure, not a pass), and 3
+when a check that was asked for did not install in some process (a hook whose module
+loaded without what it wraps: that check never ran there).
 
 Standard library only: a CI step can run it without torch.
 """
@@ -16,9 +18,9 @@ from typing import Any, Optional
 
 from ..model.violation import Violation
 from . import counts
-from .files import ACTIVATION, COUNTS, PREFIX, SUFFIX, VIOLATION
+from .files import ACTIVATION, COUNTS, PREFIX, SUFFIX, UNGUARDED as UNGUARDED_KIND, VIOLATION
 
-OK, VIOLATIONS, UNGUARDED = 0, 1, 2  # exit codes
+OK, VIOLATIONS, UNGUARDED, NOT_INSTALLED = 0, 1, 2, 3  # exit codes
 
 
 @dataclass
@@ -30,6 +32,11 @@ class Process:
     activation: dict[str, Any]
     reports: int = 0
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    unguarded: list[dict[str, Any]] = field(default_factory=list)  # hooks that did not install
+
+    def missing(self) -> list[dict[str, Any]]:
+        """The hooks that did not install here and carry a check that was asked for."""
+        return [entry for entry in self.unguarded if entry.get("checks")]
 
 
 @dataclass
@@ -65,12 +72,15 @@ class Summary:
     def exit_code(self) -> int:
         if not self.processes:
             return UNGUARDED
-        return VIOLATIONS if self.groups else OK
+        if self.groups:
+            return VIOLATIONS
+        return NOT_INSTALLED if any(p.missing() for p in self.processes) else OK
 
     @property
     def verdict(self) -> str:
         return {OK: "OK: no violation", VIOLATIONS: "FAIL: KV-cache violations reported",
-                UNGUARDED: "FAIL: no process was guarded (no activation record)"}[self.exit_code]
+                UNGUARDED: "FAIL: no process was guarded (no activation record)",
+                NOT_INSTALLED: "FAIL: a check that was asked for did not install (see `not installed`)"}[self.exit_code]
 
 
 def read(folder: str) -> Summary:
@@ -93,8 +103,10 @@ def read(folder: str) -> Summary:
                         problems.append(f"{name}:{number}: not a report record")
                         continue
                     if kind == ACTIVATION:
-                        current = Process(name, record)
+                        current = Process(name, record, unguarded=list(record.get(UNGUARDED_KIND) or []))
                         processes.append(current)
+                    elif kind == UNGUARDED_KIND and current is not None:
+                        current.unguarded.append(record)
                     elif kind == COUNTS and current is not None:
                         current.counts = record.get("counts") or {}
                     elif kind == VIOLATION:
@@ -177,11 +189,24 @@ def render(summary: Summary) -> str:
         lines.append(f"checked (all processes): {counts.line(totals)}")
         if never:
             lines.append(f"never ran: {', '.join(never)} (on, but no process counted any work for them)")
+    lines += _unguarded_lines(summary)
     lines.append("processes:" + ("" if summary.processes else " none"))
     lines += [_process_line(process) for process in summary.processes]
     lines += [f"unreadable: {problem}" for problem in summary.problems]
     lines.append(summary.verdict)
     return "\n".join(lines)
+
+
+def _unguarded_lines(summary: Summary) -> list[str]:
+    """Each hook that did not install, once, with the processes it failed in."""
+    seen: dict[tuple[str, str], tuple[dict[str, Any], list[str]]] = {}
+    for process in summary.processes:
+        for entry in process.unguarded:
+            key = (str(entry.get("hook")), str(entry.get("why")))
+            seen.setdefault(key, (entry, []))[1].append(str(process.activation.get("pid")))
+    return [f"not installed: {hook} after {entry.get('module')} loaded ({why}), in pid {', '.join(pids)}: " +
+            (f"checks that did not run there: {', '.join(entry['checks'])}" if entry.get("checks")
+             else "no check depends on it") for (hook, why), (entry, pids) in seen.items()]
 
 
 def as_json(summary: Summary) -> dict[str, Any]:
@@ -193,7 +218,8 @@ def as_json(summary: Summary) -> dict[str, Any]:
                     "processes": sorted(g.processes), "first": {**g.first, "message": describe(g.first)}}
                    for g in summary.groups],
         "checked": summary.totals(),
-        "processes": [{"file": p.file, "reports": p.reports, "counts": p.counts, **p.activation}
+        "processes": [{"file": p.file, "reports": p.reports, "counts": p.counts, **p.activation,
+                       UNGUARDED_KIND: p.unguarded}
                       for p in summary.processes],
         "problems": summary.problems,
     }

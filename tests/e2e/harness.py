@@ -17,17 +17,20 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from importlib.metadata import version
 from typing import Optional
 
 from helpers import GUARD_VARS
 
 HERE = Path(__file__).resolve().parent
 STANDIN = HERE.parent / "standins"
+SITEINSTALL = HERE / "siteinstall"  # the guard as a regular install's .pth arms it, in every process
 RADIX_POOL = 384  # the radix workload's max_total_tokens (engine_run.py)
 RETRACTED = re.compile(r"(?:KV cache pool is full\. Retract requests\.|Testing retraction\.) #retracted_reqs: (\d+)")
 PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "OOBGUARD_TRANSFER", "OOBGUARD_HICACHE_SHIM",
-           "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "OOBGUARD_PD_SHIM", "TRITON_INTERPRET", "SGLANG_PLUGINS")
+           "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "OOBGUARD_PD_SHIM", "TRITON_INTERPRET", "SGLANG_PLUGINS",
+           "OOBGUARD_SITE_DIR", "OOBGUARD_FAULT_PLUGIN")
 
 
 @dataclass
@@ -46,13 +49,17 @@ class Run:
 
 
 def engine_env(extra: dict[str, str], cpu: bool = True) -> dict[str, str]:
-    """cpu=False (bench/engine.py on a GPU): neither the CPU engine nor the stand-ins."""
+    """cpu=False (bench/engine.py on a GPU): neither the CPU engine nor the stand-ins.
+    OOBGUARD_SITE_DIR in `extra`: the guard as a regular install arms it (tests/e2e/siteinstall)."""
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
     # no py-spy and no CUDA here: sglang's crash diagnostics would only wait 65 s before its exit
     env.update(SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0")
-    if cpu:
-        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(STANDIN),
-                                                                                        env.get("PYTHONPATH")])))
+    first = [str(SITEINSTALL)] if extra.get("OOBGUARD_SITE_DIR") else []
+    if cpu:  # 0.4.x's layers import vllm's ops too (tests/standins/releases-0.4)
+        first += [str(STANDIN)] + ([str(STANDIN / "releases-0.4")] if version("sglang").startswith("0.4.") else [])
+        env.update(SGLANG_USE_CPU_ENGINE="1")
+    if first:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 
