@@ -40,6 +40,9 @@ class Record(NamedTuple):
     # A non-finite value (Kind.NONFINITE): `bad` counts values, `pos` is the token's place in
     # the write's ids and `value` its slot (-1: a per-write part such as a scale, no token).
     # Read for that kind only; 0 otherwise, as the id probes leave them.
+    # A position (Kind.POSITION): `value` is positions[i], `expected` the highest position allowed
+    # (exact: the one), `owner` the draft step and `head` the lowest allowed (a tree verify), -1 each
+    # where there is none, `high` 0 (no slot); a token (Kind.TOKEN): input_ids[i] and the request's.
     head: int = 0  # first violation: the head (dim 1 of a 3-D part; -1: none)
     elem: int = 0  # first violation: which non-finite value (violation.ELEMENTS)
     part: int = 0  # first violation: which argument held it (violation.part_name)
