@@ -49,6 +49,10 @@ CHECK_OF = {"bounds": "bounds", "freed": "liveness", "double_free": "liveness", 
             "repointed": "reads", "not_step": "ownids", "nonfinite": "finite", "held": "hicache",
             "position": "positions", "token": "positions"}
 ELEMENTS = ("nan", "+inf", "-inf")  # a non-finite value, as a record numbers it
+SAID = {"handed_out": "reported only (the allocator's hand-out goes on)",  # what warn did about a kind, in words
+        "nonfinite": "non-finite KV values, written unchanged (the guard reports, it does not repair data)",
+        **{kind: f"reported only (the slot is right, the {kind} is not: the step runs on uncontained)"
+           for kind in ("position", "token")}}
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -215,14 +219,10 @@ class Violation:
                     "deferred-release timeout: the backend cannot say when its writes end)")
         if self.kind == "in_flight":
             return "free of pages a KV transfer still writes (held back from the free list until it ends)"
-        if self.kind == "handed_out":
-            return "reported only (the allocator's hand-out goes on)"
-        if self.kind in ("position", "token"):
-            return f"reported only (the slot is right, the {self.kind} is not: the step runs on uncontained)"
+        if self.kind in SAID:
+            return SAID[self.kind]
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
-        if self.kind == "nonfinite":
-            return "non-finite KV values, written unchanged (the guard reports, it does not repair data)"
         return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
 
 
