@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 FAULTS = "extend@0:2:2;swap@0:0:1;decode@3:1:1"
 EAGLE = ("eagle", "steps=3", "drafts=4")
 WARN = {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_WARN_INTERVAL_S": "0"}
-FIRED = re.compile(r"oobguard_faultinject: positions fault (\w+)@[\d:]+: (.*) \(pid \d+\)")
+FIRED = re.compile(r"oobguard_faultinject: positions fault (\w+)@[\d:+-]+: (.*) \(pid \d+\)")
 
 
 def filed(folder: Path) -> list[dict]:

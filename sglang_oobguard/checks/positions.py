@@ -217,7 +217,8 @@ def doctor(found: Found) -> list[str]:
             "not checked:",
             *(f"  {name}: {why}" for name, why in poslayout.NOT_DERIVED),
             "input_ids[i] against its request's token at that position: the target's extend and decode, CPU ids "
-            f"only (a GPU's would need a host copy), tokens the scheduler holds; {found(BATCH_MODULE, 'ForwardBatch', 'init_new')}"]
+            "only (a GPU's would need a host copy), tokens the scheduler holds (ForwardBatch.init_new keeps the "
+            f"batch's requests: {found(BATCH_MODULE, 'ForwardBatch', 'init_new')})"]
 
 
 UNIT = Unit("positions", "a token rotated at a position not its own (its K), or fed a token not its request's",
