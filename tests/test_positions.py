@@ -208,3 +208,21 @@ def test_forwards_whose_positions_are_not_derived_are_skipped_by_name():
     pool = req_pool(rng)
     plain = forward_batch("DECODE", [1], [3], pool.req_to_token[1, 2:3].long())
     assert writemap.rule_of(plain, model_runner(pool), -1, True).expect == 0  # no positions: nothing to compare
+
+
+def test_the_kernel_path_reports_a_position_at_the_next_step_boundary_naming_the_same(mp, guard, runner):
+    """The GPU path (the step kernel, forced on CPU tensors): the record is read at the next
+    step's start, and names the request, the token and both positions as the host path does."""
+    guard("warn", backend="triton", poll_every=10**6)
+    run, seen = runner(mha(mp))
+    batch = decode(run)
+    batch.positions = batch.seq_lens - 1
+    batch.positions[2] -= 1
+    run.forward(batch)
+    assert sglang_oobguard.violations() == [] and seen[0] == batch.out_cache_loc.tolist()  # not contained
+    clean = decode(run)
+    clean.positions = clean.seq_lens - 1
+    run.forward(clean)
+    (v,) = sglang_oobguard.violations()
+    assert (v.kind, v.label, v.pos, v.value, v.expected, v.request, v.token, v.step, v.high, v.draft_step, v.lowest) == (
+        "position", "positions (forward step)", 2, 1, 2, "r3", 2, 0, 0, None, -1)
