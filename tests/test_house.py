@@ -21,11 +21,11 @@ LAYERS = ("model", "report", "probes", "checks", "activate")
 DOORS = {"__init__", "__main__", "plugin", "autoload", "pytest_plugin", "demo"}
 
 
-def modules() -> dict[str, Path]:
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     """'layer.module' (or 'module' at the root) -> its file; a layer's __init__ is 'layer'."""
     found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)] = path
     return found
 
@@ -181,3 +181,57 @@ def test_every_unit_is_registered_with_a_switch_and_a_doctor_line():
         line = next(line for line in lines if line.startswith(f"  {unit.name}: "))
         state = "off (SGLANG_OOBGUARD_CHECKS)" if unit.name == "reads" else line.split(" - ")[0].split(": ", 1)[1]
         assert line.startswith(f"  {unit.name}: {state} - {unit.catches}; cost: {unit.cost}"), line
+
+
+# -- one of each shared thing -------------------------------------------------------
+
+HOLDER = "checks.owners"  # the one place a slot becomes its holder (request, row, position)
+OWNER_READS = {"numpy", "tolist", "take", "cpu", "item", "__getitem__"}  # what reads the owner table's values
+
+
+def holder_lookups(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each form a holder look-up takes -> the modules that hold it: a kept step's
+    req_to_token (`seen.runner.req_to_token_pool`), the owner table's values read above
+    the probes (`<live>.owner[...]`, `.owner.numpy()`, ...: below, the kernels and their
+    host twins keep the table as the check itself), and a holder named by its row (an
+    f-string "req_to_token row {row}")."""
+    found: dict[str, set[str]] = {"step table": set(), "owner table": set(), "row name": set()}
+    for name, path in modules(package).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "req_to_token_pool" and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "runner":
+                found["step table"].add(name)
+            read = node.value if isinstance(node, ast.Subscript) else node.value if isinstance(node, ast.Attribute) \
+                and node.attr in OWNER_READS else None
+            if isinstance(read, ast.Attribute) and read.attr == "owner" and rank(name) >= LAYERS.index("checks"):
+                found["owner table"].add(name)
+            if isinstance(node, ast.JoinedStr) and any(
+                    isinstance(part, ast.Constant) and str(part.value).endswith("req_to_token row ")
+                    and isinstance(after, ast.FormattedValue) for part, after in zip(node.values, node.values[1:])):
+                found["row name"].add(name)
+    return found
+
+
+def test_no_two_modules_hold_the_same_holder_lookup():
+    """Every report that names who holds a slot asks `checks.owners`: no copy of the look-up elsewhere."""
+    assert holder_lookups() == {"step table": {HOLDER}, "owner table": {HOLDER}, "row name": {HOLDER}}
+
+
+def test_the_holder_rule_sees_a_copy(tmp_path):
+    copy = tmp_path / "pkg" / "checks"
+    copy.mkdir(parents=True)
+    (copy / "claims.py").write_text(
+        "def holder(seen, live, slot, row):\n"
+        "    table = seen.runner.req_to_token_pool.req_to_token\n"
+        "    return live.owner.numpy()[slot], f'req_to_token row {row}'\n")
+    assert holder_lookups(tmp_path / "pkg") == {"step table": {"checks.claims"}, "owner table": {"checks.claims"},
+                                                "row name": {"checks.claims"}}
+
+
+def test_every_record_is_built_by_a_named_constructor():
+    """`Record(...)` with its fields in order only where record.py reads a record back (`Record(*values)`)."""
+    positional = sorted(
+        f"{name}:{node.lineno}" for name, path in modules().items() for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Record"
+        and not (name == "probes.record" and [type(arg) for arg in node.args] == [ast.Starred] and not node.keywords))
+    assert positional == []

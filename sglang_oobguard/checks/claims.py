@@ -20,25 +20,10 @@ import torch
 
 from ..model.swatargets import MAPPING
 from .guard import Guard
-from .owners import find_owner
+from . import owners
 
 SWA_OF_ATTR = "_oobguard_swa_of"  # on an SWA sub-pool: the SWA pool whose mapping translates into it
 FRAMES = 24  # callers read for the request a call is for
-
-
-def holder(guard: Guard, full_slots: Iterable[int]) -> tuple[Optional[str], Optional[int]]:
-    """(request, position) of the first of `full_slots` some req_to_token row holds: the
-    latest step's rows first (named by rid), then every row; (None, None) before any step."""
-    seen = guard.steps.find(guard.steps.number)
-    if seen is None or seen.pool_indices is None:
-        return None, None
-    table = seen.runner.req_to_token_pool.req_to_token
-    rows = seen.pool_indices[:seen.batch_size]
-    for slot in full_slots:
-        found = find_owner(table, rows, seen.rids, int(slot))
-        if found is not None:
-            return found
-    return None, None
 
 
 def full_slots_of(pool: Any, slot: int, page: int, freeing: Optional[tuple[np.ndarray, np.ndarray]] = None) -> list[int]:
@@ -94,7 +79,8 @@ def sides(guard: Guard, full_slots: Iterable[int], pos: int = -1, count: int = 0
     """A free's or hand-out's report fields for both requests: `owner` / `owner_token`
     (who holds the slot), `request` (whom the call is for), `claimed` (both looked up)."""
     try:
-        owner, owner_token = holder(guard, full_slots)
+        found = owners.holder(owners.of_step(guard.steps.find(guard.steps.number)), list(full_slots))
     except Exception:  # a report names what it can
-        owner, owner_token = None, None
+        found = None
+    owner, owner_token = found or (None, None)
     return {"owner": owner, "owner_token": owner_token, "request": claimant(pos, count), "claimed": True}

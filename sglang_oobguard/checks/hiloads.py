@@ -28,9 +28,8 @@ import torch
 from ..model.violation import Kind
 from ..probes.pools import STATE_ATTR
 from ..probes.record import Record
+from . import owners
 from .guard import Guard
-from .owners import find_owner
-from .steps import LAYOUTS_KEPT
 
 # What each HICACHE_LOAD_HOOKS method tells the check (doctor's words).
 LOAD_ROLES = {"loads": "the load-backs it starts: each into a tree node's fresh slots (no owner yet)",
@@ -120,9 +119,8 @@ def check(guard: Guard, device_pool: Any, site: int, host_ids: Any, ids: torch.T
             return passed
     try:
         flat = ids.reshape(-1).to(torch.int64).numpy()
-        inside = (flat >= live.page) & (flat < live.high)  # page 0 is padding; outside: the bound's report
-        owner = live.owner.numpy()[np.where(inside, flat // live.page, live.pages)].astype(np.int64)
-        bad = inside & (owner != 0) & (owner != now.row + 1)
+        owner = owners.owner_rows(live, flat)  # page 0 is padding; outside: the bound's report
+        bad = (owner >= 0) & (owner != now.row)
         if bad.any() and now.row >= 0:  # a prefix the restored row shares: its own slot too
             bad &= ~np.isin(flat, now.table[now.row].numpy())
     except Exception as exc:
@@ -132,13 +130,14 @@ def check(guard: Guard, device_pool: Any, site: int, host_ids: Any, ids: torch.T
     if bad.any():
         pos = int(np.argmax(bad))
         try:
-            where = _named(guard, now, host_ids, pos, int(flat[pos]), int(owner[pos]) - 1)
+            where = _named(guard, now, host_ids, pos, int(flat[pos]), int(owner[pos]))
         except Exception as exc:  # a report names what it can
             guard.internal_error("HiCache load naming", exc)
             where = {}
         count = int(bad.sum())
-        record = Record(count, 1, site, layer, live.high, count, flat.size, pos, int(flat[pos]), guard.steps.number,
-                        Kind.HELD, owner=int(owner[pos]) - 1)
+        record = Record.ownership(site=site, layer=layer, high=live.high, numel=flat.size, bad=count, pos=pos,
+                                  value=int(flat[pos]), step=guard.steps.number, kind=Kind.HELD,
+                                  owner=int(owner[pos]))
         guard.report_now(state, record, **where)
         passed = ids.clone()
         passed.view(-1)[torch.from_numpy(bad)] = 0
@@ -156,15 +155,5 @@ def _named(guard: Guard, now: Loading, host_ids: Any, pos: int, slot: int, row: 
                 node = op.node_ids[0] if op.node_ids else -1
                 fields.update(node=int(node), request=now.asked.get(node))
                 break
-    table, rows, rids = now.table, [], None
-    for step in range(guard.steps.number, max(-1, guard.steps.number - LAYOUTS_KEPT), -1):
-        seen = guard.steps.find(step)
-        if seen is None or seen.pool_indices is None:
-            continue
-        table = seen.runner.req_to_token_pool.req_to_token
-        if row in seen.pool_indices[:seen.batch_size].tolist():  # the holder's request id, from its latest step
-            rows, rids = seen.pool_indices[:seen.batch_size].tolist(), seen.rids
-            break
-    found = None if table is None else find_owner(table, rows, rids, slot, prefer=row)
-    fields["owner"], fields["owner_token"] = found or (f"req_to_token row {row}", None)
+    fields["owner"], fields["owner_token"] = owners.held_by_row(guard.steps.recent(), row, slot, now.table)
     return fields

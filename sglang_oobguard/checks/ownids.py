@@ -120,19 +120,17 @@ def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, laye
     state = pool.__dict__[STATE_ATTR]
     count = int(bad.sum())
     if per_token:  # the token and the owner are named from the step's layout (`Steps.where`)
-        record = Record(count, 1, site, layer(), high, count, ids.size, first, value, guard.steps.number,
-                        int(Kind.OTHER_REQUEST), expected=int(step.order[first]))
+        record = Record.ownership(site=site, layer=layer(), high=high, numel=ids.size, bad=count, pos=first,
+                                  value=value, step=guard.steps.number, kind=Kind.OTHER_REQUEST,
+                                  expected=int(step.order[first]))
         guard.report_now(state, record)
         return
-    record = Record(count, 1, site, layer(), high, count, ids.size, first, value, guard.steps.number,
-                    int(Kind.NOT_STEP))
+    record = Record.ownership(site=site, layer=layer(), high=high, numel=ids.size, bad=count, pos=first, value=value,
+                              step=guard.steps.number, kind=Kind.NOT_STEP)
     where: dict[str, Any] = {}
-    seen = guard.steps.find(guard.steps.number)
-    if seen is not None and seen.pool_indices is not None:
-        found = owners.find_owner(seen.runner.req_to_token_pool.req_to_token, seen.pool_indices[:seen.batch_size],
-                                  seen.rids, value)
-        if found is not None:
-            where["owner"], where["owner_token"] = found
+    found = owners.holder(owners.of_step(guard.steps.find(guard.steps.number)), value)
+    if found is not None:
+        where["owner"], where["owner_token"] = found
     guard.report_now(state, record, **where)
 
 

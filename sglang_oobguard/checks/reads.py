@@ -175,8 +175,9 @@ def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
 
 def _report(guard: Guard, state: Any, finding: readmap.ReadFinding, high: int) -> None:
     """The record of a host finding; `steps.where` names the reader, the position and the holder."""
-    record = Record(finding.bad, 1, site_id(READ_LABEL), -1, high, finding.bad, finding.numel, finding.position,
-                    finding.slot, guard.steps.number, finding.kind, finding.row, finding.seen, finding.owner)
+    record = Record.read(site=site_id(READ_LABEL), high=high, numel=finding.numel, bad=finding.bad, kind=finding.kind,
+                         reader=finding.row, position=finding.position, slot=finding.slot, generation=finding.seen,
+                         owner=finding.owner, step=guard.steps.number)
     guard.report_now(state, record)
 
 
@@ -191,4 +192,5 @@ def doctor(found: Found) -> list[str]:
 
 UNIT = Unit("reads", "a running request reads a slot given back or handed to another",
             "per step: O(context of the batch)", ("steps",), "the forward step's end; sglang's ReqToTokenPool (its memory)",
-            where=write_map_off, doctor=doctor)
+            where=write_map_off, doctor=doctor, memory=lambda pages, rows, context: readmap.Seen.bytes_for(rows, context)
+            if rows else 0)

@@ -53,9 +53,9 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int,
         if finding is not None:  # strict and raise: raised here, before any layer
             call = finding.record(guard.step_site, -1, high, loc.numel(), guard.steps.number)
             rows = rule.rows[:rule.batch]
-            guard.report_now(state, call, **owners.named(rule.table, rows, getattr(batch, "rids", None), finding.kind,
-                                                           finding.row, finding.token, finding.value, finding.owner,
-                                                           finding.expected))
+            where = owners.Lookup(rule.table, rows, getattr(batch, "rids", None))
+            guard.report_now(state, call, **owners.named(where, finding.kind, finding.row, finding.token, finding.value,
+                                                           finding.owner, finding.expected))
         if positioned:  # after the map: a slot it contained is reported as a slot first
             positions.check_host(guard, state, rule, batch, runner)
         return cleaned, -1, few

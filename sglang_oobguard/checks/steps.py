@@ -12,7 +12,7 @@ import itertools
 import operator
 import weakref
 from collections import deque
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -144,6 +144,11 @@ class Steps:
         runner = held() if type(held) is weakref.ref else held  # None: its engine was shut down
         return None if runner is None else Seen(number, runner, mode, int(size or 0), *rest)
 
+    def recent(self) -> Iterator[Seen]:
+        """The kept steps, newest first (those whose engine was shut down left out)."""
+        kept = (self.find(step) for step in range(self.number, max(-1, self.number - LAYOUTS_KEPT), -1))
+        return (seen for seen in kept if seen is not None)
+
     def ranks(self, runner: Any) -> str:
         """Read once per runner (a process's ranks stay); a runner that cannot be a
         weak key is read every time."""
@@ -163,13 +168,11 @@ class Steps:
         if record.kind in owners.READ_KINDS:
             return self._read(seen, record)
         fields = self._where(record.step, record.pos, record.numel)
-        if seen is None or record.kind not in owners.NAMED_KINDS or seen.pool_indices is None:
+        if record.kind not in owners.NAMED_KINDS:
             return fields
         try:
-            table = seen.runner.req_to_token_pool.req_to_token
-            return {**fields, **owners.named(table, seen.pool_indices[:seen.batch_size], seen.rids, record.kind,
-                                               record.row, fields.get("token"), record.value, record.owner,
-                                               record.expected)}
+            return {**fields, **owners.named(owners.of_step(seen), record.kind, record.row, fields.get("token"),
+                                             record.value, record.owner, record.expected)}
         except Exception:  # a report names what it can
             return fields
 
@@ -180,12 +183,10 @@ class Steps:
         if seen is None:
             return fields
         fields.update(request=self.request(seen, record.row), token=record.pos)
-        if record.kind == Kind.READ_FREED or seen.pool_indices is None:
+        if record.kind == Kind.READ_FREED:
             return fields
         try:
-            rows = seen.pool_indices[:seen.batch_size].tolist()
-            found = owners.find_owner(seen.runner.req_to_token_pool.req_to_token, rows, seen.rids, record.value,
-                                      prefer=record.owner, skip=(rows[record.row], record.pos))
+            found = owners.holder(owners.of_step(seen), record.value, prefer=record.owner, own=(record.row, record.pos))
         except Exception:  # a report names what it can
             found = None
         if found is not None:

@@ -37,7 +37,7 @@ from ..probes.shadow import Live
 from .claims import SWA_OF_ATTR, full_slots_of, sides
 from .guard import Guard
 from .liveness import Call, checked, counted
-from .owners import find_owner
+from . import owners
 from .calls import argument, replaced
 from .unit import Unit, Wrap
 
@@ -116,13 +116,13 @@ def _peers(allocator: Any, ids: torch.Tensor) -> Optional[tuple[np.ndarray, np.n
 def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec: SwaMethod) -> bool:
     """The fast answer for a clean free, in numpy over the shadow's and the mapping's memory:
     True when no id can be bad; False means "check it in full"."""
-    if live.host is None or not ids.size or ids.min() < 0 or ids.max() >= live.high:
+    if live.host is None or not ids.size:
         return False
-    if spec.full:
-        if not np.frombuffer(live.host, dtype=np.int32)[ids // live.page].all():
-            return False
-        if live.page == 1 and np.unique(ids).size != ids.size:
-            return False
+    looked = hostscan.look_up(ids, live)
+    if not (looked.live if spec.full else looked.inside).all():  # the full ids go back too: live
+        return False
+    if spec.full and live.page == 1 and np.unique(ids).size != ids.size:
+        return False
     peers = mapping[ids]
     if spec.role is SwaRole.FREE_FULL:
         return not peers.any()
@@ -170,8 +170,9 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
         kind = Kind.DOUBLE_FREE if 0 <= value < live.high else Kind.BOUNDS
     count = int(either.sum())
     site = free_site_id(f"{method} ({type(allocator).__name__})", "free_index")
-    record = Record(count, 1, site, -1, live.high, count, flat.numel(), pos, value, guard.steps.number, kind,
-                    expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
+    record = Record.bad_ids(site=site, high=live.high, numel=flat.numel(), bad=count, pos=pos, value=value,
+                            step=guard.steps.number, kind=kind,
+                            expected=int(peers[pos]) if kind is Kind.PEER_MAPPED else -1)
     guard.report_now(state, record, **sides(guard, full_slots_of(None, value, page) if value >= 0 else []))
     if spec.segment:
         chunks = torch.arange(flat.numel()) // page  # a page with a bad id stays out whole
@@ -250,8 +251,9 @@ def _check_door_host(guard: Guard, pool: Any, site: int, args: tuple, kwargs: di
     slot = int(ids[pos])
     kind = Kind.SWA_OTHER if wrong[pos] else Kind.DUPLICATE
     count = int(bad.sum())
-    record = Record(count, 1, site, layer_id, int(sub.size) + int(sub.page_size), count, ids.size, pos, slot,
-                    guard.steps.number, kind, expected=int(expected[pos]))
+    record = Record.ownership(site=site, layer=layer_id, high=int(sub.size) + int(sub.page_size), numel=ids.size,
+                              bad=count, pos=pos, value=slot, step=guard.steps.number, kind=kind,
+                              expected=int(expected[pos]))
     guard.report_now(state, record, **_owner(guard, record, full, ids, table, pos))
     clean = torch.from_numpy(np.where(bad, 0, ids)).view(swa_loc.shape).to(swa_loc.dtype)
     return replaced(args, kwargs, position, name, len(args) > position, dataclasses.replace(value, swa_loc=clean))
@@ -268,10 +270,7 @@ def _owner(guard: Guard, record: Record, full: np.ndarray, ids: np.ndarray, tabl
         return {"owner": other.get("request"), "owner_token": other.get("token")}
     seen = guard.steps.find(record.step) if record.step >= 0 else None
     peers = [int(f) for f in np.flatnonzero(table[:-1] == ids[pos]) if f != full[pos]]
-    if seen is None or seen.pool_indices is None or not peers:
-        return {"owner": None, "owner_token": None}
-    found = find_owner(seen.runner.req_to_token_pool.req_to_token, seen.pool_indices[:seen.batch_size], seen.rids,
-                       peers[0])
+    found = owners.holder(owners.of_step(seen), peers[0]) if peers else None
     return {"owner": found[0] if found else None, "owner_token": found[1] if found else None}
 
 

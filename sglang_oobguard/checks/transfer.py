@@ -29,6 +29,7 @@ from ..model.swatargets import SWA_CHECKED, SWA_STATE_PAGES, full_space
 from ..model.transfertargets import (DRAIN_ARMED, DRAIN_SIGNAL, TRANSFER_ENTRIES, TRANSFER_HOOKS, TRANSFER_MODULES,
                                      TRANSFER_SINCE)
 from ..model.violation import Kind, site_id
+from ..probes import hostscan
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
 from ..report.reporter import KVOutOfBoundsError
@@ -96,11 +97,10 @@ def check_pages(guard: Guard, state: PoolState, label: str, pages: np.ndarray, o
     assert state.live is not None
     guard.counts.add("pd", "transfers")
     high = state.live.pages
-    flags = state.live.flags.cpu().numpy()
-    inside = (pages >= 0) & (pages < high)
+    inside, _, live, _ = hostscan.look_up(pages, state.live.as_pages())
     kinds = np.full(pages.shape, -1)
     kinds[~inside] = Kind.BOUNDS
-    kinds[(kinds < 0) & (flags[np.where(inside, pages, high)] == 0)] = Kind.FREED
+    kinds[inside & ~live] = Kind.FREED
     expected = np.full(pages.shape, -1)
     if own_row:
         kinds[(kinds < 0) & ~np.isin(pages, own)] = Kind.OTHER_REQUEST
@@ -110,9 +110,10 @@ def check_pages(guard: Guard, state: PoolState, label: str, pages: np.ndarray, o
     bad = np.flatnonzero(kinds >= 0)
     if bad.size:
         pos = int(bad[0])
-        guard.report_now(state, Record(int(bad.size), 1, site_id(label), -1, high, int(bad.size), pages.size, pos,
-                                       int(pages[pos]), guard.steps.number, int(kinds[pos]),
-                                       expected=int(expected[pos])), **where)
+        record = Record.ownership(site=site_id(label), high=high, numel=pages.size, bad=int(bad.size), pos=pos,
+                                  value=int(pages[pos]), step=guard.steps.number, kind=int(kinds[pos]),
+                                  expected=int(expected[pos]))
+        guard.report_now(state, record, **where)
     return inside
 
 
@@ -176,9 +177,10 @@ def on_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_pag
             transfer.held_since = time.monotonic()
         transfer.held.append((free, held.clone()))
     count = int(np.unique(pages[hit]).size)
-    guard.report_now(state, Record(count, 1, site, -1, state.live.pages, count, int(np.unique(pages).size), pos,
-                                   int(pages[pos]), guard.steps.number, Kind.IN_FLIGHT),
-                     request=transfer.rid, room=transfer.room, sent_step=transfer.step, no_drain=transfer.undrained())
+    record = Record.bad_ids(site=site, high=state.live.pages, numel=int(np.unique(pages).size), bad=count, pos=pos,
+                            value=int(pages[pos]), step=guard.steps.number, kind=Kind.IN_FLIGHT)
+    guard.report_now(state, record, request=transfer.rid, room=transfer.room, sent_step=transfer.step,
+                     no_drain=transfer.undrained())
     return ids.reshape(-1)[torch.from_numpy(~hit)]
 
 

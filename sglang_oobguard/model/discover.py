@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 from .targets import (ALLOCATOR_BASE, ALLOCATOR_METHODS, ALLOCATOR_MODULE, BASE_CLASS, MEMORY_POOL, TRACKED_ALLOCATORS,
                       WRITE_METHOD, Role, Rule, label_for, rule_for)
-from .swatargets import DSV4_UNREAD, FORWARDED, SWA_CHECKED, SWA_METHODS, SWA_NAMED_ONLY, SwaRole
+from .dsv4targets import DSV4_FORWARDED, DSV4_UNREAD
+from .swatargets import SWA_CHECKED, SWA_FORWARDED, SWA_METHODS, SWA_NAMED_ONLY, SwaRole
 from .violation import site_id
 
 # Modules that define pools outside memory_pool; `doctor` imports them to show the
@@ -90,7 +91,7 @@ def resolve(owner: type, method: str) -> Union[Found, Skipped]:
     design = by_design(original)
     if design:
         return Skipped(owner, method, design, True)
-    forwarded = FORWARDED.get((owner.__name__, method))
+    forwarded = SWA_FORWARDED.get((owner.__name__, method)) or DSV4_FORWARDED.get((owner.__name__, method))
     if forwarded is not None:  # takes no ids of its own: guarded where they land
         return Skipped(owner, method, forwarded, True)
     rule = rule_for(owner.__name__, method)

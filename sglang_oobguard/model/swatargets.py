@@ -1,6 +1,6 @@
 """SWA targets: the sliding-window pools' two id spaces, and what the SWA allocators do to them.
 
-Part of the targets table (`targets` imports it): sglang serves sliding-window models
+The SWA family's own table beside `targets`: sglang serves sliding-window models
 (gpt-oss, Llama 4, Gemma, MiMo-V2, Mellum, Laguna, ...) from `SWAKVPool`, a full
 sub-pool and an SWA sub-pool, with `SWATokenToKVPoolAllocator` driving one tracked
 sub-allocator per id space and a full -> SWA mapping (`full_to_swa_index_mapping`).
@@ -102,22 +102,8 @@ def space_name(pool_class: str, sub: Optional[str]) -> str:
     return f"{pool_class}.{sub} ({'SWA' if sub == SWA_SUBPOOL else 'full'} ids)"
 
 
-def dsv4_slots(pool: object) -> int:
-    # deepseek_v4_memory_pool: every layer's buffer holds
-    # _num_dsv4_physical_kv_pages(size, page_size, global_page_size) pages of token rows
-    page = int(getattr(pool, "page_size"))
-    rows = int(getattr(pool, "size")) + int(getattr(pool, "global_page_size", page) or page)
-    return -(-rows // page) * page
-
-
-# Write methods that take no ids of their own to bound, with why (doctor names them so).
-FORWARDED: dict[tuple[str, str], str] = {
+# SWA pool write methods that take no ids of their own to bound, with why (doctor names them so).
+SWA_FORWARDED: dict[tuple[str, str], str] = {
     ("SWAKVPool", "set_index_k_scale_buffer"):
         "full ids passed on as they are to full_kv_pool.set_index_k_scale_buffer, guarded there",
-    **{("HiSparseC4DevicePool", method): f"translates its ids to the device pool's rows and passes them on to "
-                                         f"DeepSeekV4SingleKVPool.{method}, guarded there"
-       for method in ("set_key_buffer", "set_key_buffer_fused")},
 }
-# DeepSeek-V4's composite pool writes through sub-pools and fused kernels whose id spaces
-# (compressed ratios, per-request windows) have not been read yet: named, with why.
-DSV4_UNREAD = "DeepSeek-V4 composite pool: compressed / per-request-window id spaces not read yet (no bound rule)"

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .swatargets import dsv4_slots
+from .dsv4targets import dsv4_slots
 
 # Supported versions, declared up front: the releases the CI matrix runs, oldest to newest. What
 # a release lacks is skipped and named in a log line; outside the range the guard installs what fits.

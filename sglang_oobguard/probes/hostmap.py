@@ -33,8 +33,9 @@ class WriteFinding(NamedTuple):
     token: int  # its position p in its request (-1 unknown)
 
     def record(self, site: int, layer: int, high: int, numel: int, step: int) -> Record:
-        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value, step, int(self.kind),
-                      self.row, self.expected, self.owner)
+        return Record.ownership(site=site, layer=layer, high=high, numel=numel, bad=self.bad, pos=self.pos,
+                                value=self.value, step=step, kind=self.kind, row=self.row, expected=self.expected,
+                                owner=self.owner)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

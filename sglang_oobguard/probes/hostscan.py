@@ -16,7 +16,7 @@ import torch
 
 from ..model.violation import Kind
 from .record import Record
-from .shadow import Live
+from .shadow import GEN, Live
 
 # Below this many ids a Python list beats a torch reduction.
 _HOST_LIST_MAX = 32
@@ -33,7 +33,34 @@ class Finding(NamedTuple):
         """This call as a record of its own (what `record.fold_host` folds in)."""
         outside = self.value < 0 or self.value >= high
         kind = Kind.BOUNDS if outside else (Kind.DOUBLE_FREE if free else Kind.FREED)
-        return Record(self.bad, 1, site, layer, high, self.bad, numel, self.pos, self.value, step, kind)
+        return Record.bad_ids(site=site, layer=layer, high=high, numel=numel, bad=self.bad, pos=self.pos,
+                              value=self.value, step=step, kind=kind)
+
+
+class Looked(NamedTuple):
+    """What the shadow says of each of some host ids (`look_up`)."""
+
+    inside: np.ndarray  # bool: in the bound looked in
+    page: np.ndarray  # int64: its page where inside, else 0 (the padding page, never handed out)
+    live: np.ndarray  # bool: inside, on a page handed out
+    generation: Optional[np.ndarray]  # int64: its page's generation (0 without history); None unless asked
+
+
+def look_up(ids: np.ndarray, live: Live, high: Optional[int] = None, low: int = 0,
+            generation: bool = False) -> Looked:
+    """Per host id: whether it lies in [low, high) (default: the shadow's ids; `low`
+    live.page leaves the padding page out), its page, whether that page is handed out,
+    and (`generation`) the page's generation. The one host read of a shadow by id, for
+    the checks that work in numpy (a CUDA shadow is copied: a report's or a rare call's)."""
+    inside = (ids >= low) & (ids < (live.high if high is None else high))
+    page = np.where(inside, ids // live.page, 0)
+    flags = np.frombuffer(live.host, dtype=np.int32) if live.host is not None else live.flags.cpu().numpy()
+    handed = inside & (flags.take(page) != 0)
+    gen = None
+    if generation:
+        gens = live.history[GEN].cpu().numpy() if live.history is not None else np.zeros(flags.size, np.int64)
+        gen = gens.take(page)
+    return Looked(inside, page, handed, gen)
 
 
 def _written(loc: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

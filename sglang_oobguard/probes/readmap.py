@@ -36,7 +36,8 @@ import torch
 
 from .kernels import SCRATCH_INIT
 from .record import Kind
-from .shadow import GEN, Live
+from .hostscan import look_up
+from .shadow import Live
 
 
 class Seen:
@@ -92,12 +93,9 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     flat = np.repeat(rows, lens) * ncols + position
     slots = table.reshape(-1).take(flat).astype(np.int64, copy=False)
     page = live.page
-    inside = (slots >= page) & (slots < high)  # padding slot 0 and bad ids: the write checks' (bounds)
-    pages = np.where(inside, slots // page, 0)
-    flags = live.flags.numpy()
-    alive = flags.take(pages) != 0
-    gen_of = live.history[GEN].numpy() if live.history is not None else np.zeros(flags.size, dtype=np.int64)
-    gen = gen_of.take(pages).astype(np.int32)  # modulo 2^32, as Seen keeps it
+    # padding slot 0 and bad ids are not inside: the write checks' (bounds)
+    inside, pages, alive, gen = look_up(slots, live, high, low=page, generation=True)
+    gen = gen.astype(np.int32)  # modulo 2^32, as Seen keeps it
     seen_slot, seen_gen, checked = seen.slot.numpy().reshape(-1), seen.gen.numpy().reshape(-1), seen.checked.numpy()
     old = position < np.repeat(checked[rows], lens)
     before, first_gen = seen_slot.take(flat), seen_gen.take(flat)
@@ -105,9 +103,8 @@ def check_reads(seen: Seen, table: np.ndarray, rows: np.ndarray, lens: np.ndarra
     freed = inside & ~alive
     repointed = np.zeros_like(freed) if extend else inside & old & changed
     if repointed.any():  # the old slot still held as it was: not a dedup (the radix cache frees the duplicate)
-        was = before.clip(0, high - 1) // page
-        repointed &= (before >= page) & (before < high) & (flags.take(was) != 0) & \
-            (gen_of.take(was).astype(np.int32) == first_gen)
+        was = look_up(before, live, high, low=page, generation=True)
+        repointed &= was.live & (was.generation.astype(np.int32) == first_gen)
     reused = inside & alive & old & ~changed & (gen != first_gen)
     if reused.any():  # the request's own slot given again (a rolled-back position) passes
         owner = live.owner.numpy().take(pages) if live.owner is not None else np.zeros_like(pages)

@@ -47,6 +47,42 @@ class Record(NamedTuple):
     elem: int = 0  # first violation: which non-finite value (violation.ELEMENTS)
     part: int = 0  # first violation: which argument held it (violation.part_name)
 
+    # One violating call's record, one constructor per kind of finding: callers name
+    # every field, so none depends on the layout's order (the kernels' OFFSET).
+
+    @classmethod
+    def bad_ids(cls, *, site: int, high: int, numel: int, bad: int, pos: int, value: int, step: int,
+                kind: int = Kind.BOUNDS, layer: int = -1, expected: int = -1) -> "Record":
+        """Ids outside the bound or the shadow: a write's, a free's or a transfer's (bounds,
+        liveness, a double free, an SWA peer, a page in flight); `expected`: the value the
+        check knows the id's place holds (an SWA peer still mapped), else -1."""
+        return cls(bad, 1, site, layer, high, bad, numel, pos, value, step, int(kind), expected=expected)
+
+    @classmethod
+    def ownership(cls, *, site: int, high: int, numel: int, bad: int, pos: int, value: int, step: int, kind: int,
+                  layer: int = -1, row: int = -1, expected: int = -1, owner: int = -1) -> "Record":
+        """A slot written (or sent, or loaded into) that is not the writer's own: the write
+        map's kinds, ids of a write's own, an SWA id at the door, a PD page, a HiCache load.
+        `row`: the writer's row in the step's batch; `expected`: its own slot (page);
+        `owner`: the req_to_token row that holds the slot (-1: unknown each)."""
+        return cls(bad, 1, site, layer, high, bad, numel, pos, value, step, int(kind), row, expected, owner)
+
+    @classmethod
+    def read(cls, *, site: int, high: int, numel: int, bad: int, kind: int, reader: int, position: int, slot: int,
+             generation: int, owner: int, step: int) -> "Record":
+        """A step's first bad read: the reader's row in the batch (`row`), the position it
+        read (`pos`), the slot there (`value`), the generation it first saw there (kept in
+        `expected`; -1 but for READ_REUSED) and the slot's owner row."""
+        return cls(bad, 1, site, -1, high, bad, numel, position, slot, step, int(kind), reader, generation, owner)
+
+    @classmethod
+    def nonfinite(cls, *, site: int, layer: int, high: int, numel: int, bad: int, pos: int, slot: int, step: int,
+                  head: int, elem: int, part: int) -> "Record":
+        """Non-finite values stored by a write: `bad` counts values, `pos` is the first one's
+        token in the write's ids and `slot` that token's slot (-1: a per-write part)."""
+        return cls(bad, 1, site, layer, high, bad, numel, pos, slot, step, Kind.NONFINITE, head=head, elem=elem,
+                   part=part)
+
 
 RECORD_LEN = len(Record._fields)
 OFFSET = {name: i for i, name in enumerate(Record._fields)}  # the kernel's store offsets

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ..model.violation import Kind, part_id
+from ..model.violation import part_id
 from .record import Record
 
 
@@ -29,8 +29,8 @@ class ValueFinding(NamedTuple):
     def record(self, site: int, layer: int, high: int, loc: torch.Tensor, part: str, step: int) -> Record:
         """This call as a record of its own; its value is the token's slot (-1: no token)."""
         slot = int(loc.reshape(-1)[self.row]) if self.row >= 0 else -1
-        return Record(self.bad, 1, site, layer, high, self.bad, loc.numel(), self.row, slot, step, Kind.NONFINITE,
-                      head=self.head, elem=self.elem, part=part_id(part))
+        return Record.nonfinite(site=site, layer=layer, high=high, numel=loc.numel(), bad=self.bad, pos=self.row,
+                                slot=slot, step=step, head=self.head, elem=self.elem, part=part_id(part))
 
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -83,6 +83,7 @@ WORKLOADS = {
                              num_reserved_decode_tokens=8, disable_radix_cache=True)),
     # HiCache on the CPU (tests/hicache_shim.py through the fault plugin): `hicache` below
     "hicache": ([], dict(enable_hierarchical_cache=True, hicache_io_backend="direct", hicache_mem_layout="layer_first",
+                         hicache_ratio=2.0,  # explicit: sized from free host memory it fails under load
                          max_total_tokens=768, chunked_prefill_size=512)),
     # tests/e2e/random_load.py: prompts and aborts drawn from the seed (the argument after the workload)
     "random": ([], dict(max_total_tokens=256, chunked_prefill_size=32, schedule_conservativeness=0.01)),
