@@ -5,7 +5,7 @@ Per real token i (the write map's `token_map`: its batch row r and its slot's po
 the positions it may be rotated at (`poslayout`): [lo, hi] = [p, p] (EXACT), [seq_lens[r]
 + s] on every lane of a draft step s, [seq_lens[r], p] for a tree verify. The first token
 outside its range, in token order, and how many: the record keeps hi in `expected`, the
-draft step in `owner` and lo in `head` (-1 each where there is none: `record.Record`).
+draft step in `owner` and lo in `head` (-1 each where there is none: `Record.position`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class PositionFinding(NamedTuple):
     draft_step: int  # -1: not a draft step
 
     def record(self, site: int, numel: int, step: int) -> Record:
-        return Record(self.bad, 1, site, -1, 0, self.bad, numel, self.pos, self.value, step, int(self.kind), self.row,
-                      self.expected, self.draft_step, self.lowest)
+        return Record.position(site=site, numel=numel, bad=self.bad, pos=self.pos, value=self.value, step=step,
+                               kind=self.kind, row=self.row, expected=self.expected, draft_step=self.draft_step,
+                               lowest=self.lowest)
 
 
 def _bounds(rule: Rule, r: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
