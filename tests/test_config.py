@@ -132,7 +132,8 @@ def test_report_dir_with_stray_spaces_is_an_error():
 
 ON = {"SGLANG_OOBGUARD_MODE": "strict"}
 LIVE = {**ON, "SGLANG_OOBGUARD_LIVENESS": "1"}
-NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "finite", "swa", "pd", "hicache")
+NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "positions", "finite", "swa", "pd",
+         "hicache")
 
 
 def checks(env):
@@ -140,7 +141,7 @@ def checks(env):
 
 
 def test_without_the_switch_the_aliases_turn_on_exactly_what_they_did():
-    assert checks(ON) == {"bounds", "map", "ownids", "swa", "hicache"}
+    assert checks(ON) == {"bounds", "map", "ownids", "positions", "swa", "hicache"}
     assert checks(LIVE) == checks(ON) | {"liveness", "history", "owners", "reads", "pd"}
     assert checks({**ON, "SGLANG_OOBGUARD_FINITE": "1"}) == checks(ON) | {"finite"}
     cfg = from_env(LIVE)
@@ -183,6 +184,7 @@ def test_an_unknown_name_is_an_error_listing_every_name(value):
     ("bounds,history", "history", "liveness"),
     ("all,-history", "reads", "history"),
     ("bounds,ownids", "ownids", "map"),
+    ("bounds,positions", "positions", "map"),
     ("+pd", "pd", "liveness"),
 ])
 def test_a_check_whose_dependency_is_off_is_an_error_naming_what_to_add(value, check, needs):
@@ -211,4 +213,4 @@ def test_checks_on_reads_the_switch():
     on = Guard(from_env({**LIVE, "SGLANG_OOBGUARD_CHECKS": "all,-reads,-finite"}), UNITS).checks_on()
     assert "reads" not in on and "finite" not in on and {"bounds", "liveness", "history"} <= set(on)
     if write_map_off() is None:
-        assert {"map", "owners", "ownids"} <= set(on)
+        assert {"map", "owners", "ownids", "positions"} <= set(on)

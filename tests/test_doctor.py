@@ -252,7 +252,7 @@ def test_doctor_lists_every_check_with_its_state():
         "off (this sglang has no MHATokenToKVPoolHost.load_to_device_per_layer or MLATokenToKVPoolHost." \
         "load_to_device_per_layer (sglang 0.5.16+))"
     assert states == ["bounds: on", f"map: {mapped}", f"owners: {mapped}", "liveness: on", "history: on",
-                      f"reads: {mapped}", f"ownids: {mapped}", "finite: off (set SGLANG_OOBGUARD_FINITE=1)",
+                      f"reads: {mapped}", f"ownids: {mapped}", f"positions: {mapped}", "finite: off (set SGLANG_OOBGUARD_FINITE=1)",
                       "swa: with liveness, where sglang runs sliding-window models", f"pd: {pd}",
                       f"hicache: {hicache}"], states
 

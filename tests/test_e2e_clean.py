@@ -29,7 +29,7 @@ from sglang_oobguard.report.summary import read
 pytestmark = [pytest.mark.e2e, pytest.mark.matrix]
 
 EVERY = {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1", "SGLANG_OOBGUARD_FINITE": "1"}
-CORE = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "finite")
+CORE = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "positions", "finite")
 SILENT = ("KVOutOfBoundsError", "bad KV slot ids", "internal error", "read check skipped", "write map not checked",
           "not finite", "freed while", "the owner check and the read check are off", "Traceback")
 TIMEOUT = 300

@@ -74,7 +74,7 @@ def test_every_process_files_its_activation_and_each_violation(tmp_path):
         assert path.name == f"oobguard-{host}-{head['pid']}.jsonl"
         assert head["guarded"] == len(head["methods"]) > 0 and "MHATokenToKVPool.set_kv_buffer" in head["methods"]
         assert head["role"] is None and head["ranks"] == {}  # not one of sglang's own processes
-        assert head["checks"] == (["bounds"] if write_map_off() else ["bounds", "map", "ownids"])  # on, named
+        assert head["checks"] == (["bounds"] if write_map_off() else ["bounds", "map", "ownids", "positions"])  # on, named
         assert final_counts(path).get("bounds", {}).get("writes", 0) >= (0 if head["pid"] == child else 1)
         by_mode.setdefault(head["mode"], []).append(lines)
     assert sorted(by_mode) == ["raise", "strict", "warn"] and len(by_mode["warn"]) == 2

@@ -2,7 +2,8 @@
 with Triton's own compiler, which needs no GPU: the interpreter (the other tests) skips
 codegen, so only this shows every family's variant builds for CUDA (vector atomic_cas
 on the owner table, int64 atomic_max stamps), that strict carries its device assert and
-the others do not. A fresh interpreter: the test process runs Triton in interpreter mode."""
+the others do not; the position check rides in every variant (a runtime argument: no variant
+of its own). A fresh interpreter: the test process runs Triton in interpreter mode."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ SIGNATURE = {
     "ids_ptr": "*i64", "ids_stride": "i64", "virt_ptr": "*i64", "virt_stride": "i64", "n": "i32",
     "table_ptr": "*i32", "table_stride": "i64", "ncols": "i32", "nrows": "i32", "rows_ptr": "*i64", "batch": "i32",
     "seq_ptr": "*i64", "starts_ptr": "*i32", "counts_ptr": "*i32", "prefix_ptr": "*i32", "offset_ptr": "*i64",
-    "pos_ptr": "*i64", "search": "i32", "width": "i32", "steps": "i32", "page": "i32", "high": "i64", "site": "i32",
+    "pos_ptr": "*i64", "search": "i32", "width": "i32", "steps": "i32", "page": "i32",
+    "draft_step": "i32", "pos_mode": "i32", "pos_site": "i32", "high": "i64", "site": "i32",
     "layer": "i32", "live_ptr": "*i32", "owner_ptr": "*i32", "live_page": "i32", "live_high": "i64", "slot_stamp_ptr": "*i64",
     "row_stamp_ptr": "*i64", "record_ptr": "*i64", "step_ptr": "*i64", "clean_ptr": "*i64"}
 MESSAGE = "sglang_oobguard: out_cache_loc (forward step): write map"

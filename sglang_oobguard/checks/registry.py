@@ -7,7 +7,7 @@ in `model.switches`. The instrumentor hands these to the guard, which imports no
 
 from __future__ import annotations
 
-from . import hicache, history, liveness, owners, ownids, reads, stepcheck, swa, transfer, values, writes
+from . import hicache, history, liveness, owners, ownids, positions, reads, stepcheck, swa, transfer, values, writes
 from .unit import Unit
 
 UNITS: tuple[Unit, ...] = (
@@ -18,6 +18,7 @@ UNITS: tuple[Unit, ...] = (
     history.UNIT,
     reads.UNIT,
     ownids.UNIT,
+    positions.UNIT,
     values.UNIT,  # finite
     swa.UNIT,
     transfer.UNIT,  # pd

@@ -17,6 +17,8 @@ releases of the matrix). Wrapping it gives the guard a step boundary:
   is the one way the contained ids reach every writer of the step;
 - a layer's write with ids of its own (not the step's, nor the cleaned copy) must
   write slots of this step's tokens (`ownids`, host path);
+- each token's position (and, where the scheduler knows it, its token) is checked with
+  the map's (`positions`): not contained, the slot being right;
 - with liveness on, every slot each request of the batch reads is checked (`reads`);
 - the step is numbered and its batch remembered (`steps`), so a report read later
   names the request and the token.
@@ -36,7 +38,7 @@ from ..probes import device
 from ..probes.pools import STATE_ATTR
 from ..report.counts import slot
 from ..report.reporter import KVOutOfBoundsError
-from . import ownids, reads, stepmap
+from . import ownids, positions, reads, stepmap
 from .calls import memo_key
 from .flush import file_counts_while_busy
 from .guard import Guard
@@ -71,6 +73,9 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     pool = id_space(runner, pool)
     high = POOL_IDS.high(pool)
     checks = guard.config.checks
+    positioned = "positions" in checks
+    if positioned:
+        positions.begin(guard)
     # a draft runner's pool shares the target's allocator, whose shadow is the target pool's: its steps'
     # reads are the target's (skipped by design), its owners unchecked as before; not said as if off
     if guard.config.liveness and not getattr(runner, "is_draft_worker", False) and guard.state(pool, loc).live is None:
@@ -82,8 +87,11 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
         passed, mapped = None, True
         if not guard.config.finite:  # the layers that write with these very ids find them first
             calls.hot = (pool, loc, loc)
+        if positioned:
+            positions.check_plain(guard, pool.__dict__[STATE_ATTR], runner, batch, batch.seq_lens)
     else:
-        passed, mapped, few = _check_writes(guard, runner, batch, pool, loc, high, capturing, "map" in checks)
+        step = positions.draft_step(guard, runner, batch) if positioned and not capturing else -1
+        passed, mapped, few = _check_writes(guard, runner, batch, pool, loc, high, capturing, "map" in checks, step)
     if mapped and "ownids" in checks:
         ownids.remember(guard, pool, loc, passed, few)
     _count(guard, pool, mapped)
@@ -128,10 +136,10 @@ def _unshadowed(guard: Guard, pool: Any) -> None:
 
 
 def _check_writes(guard: Guard, runner: Any, batch: Any, pool: Any, loc: torch.Tensor, high: int,
-                  capturing: bool, mapping: bool) -> tuple[Optional[torch.Tensor], bool, Optional[list]]:
+                  capturing: bool, mapping: bool, draft_step: int) -> tuple[Optional[torch.Tensor], bool, Optional[list]]:
     """(the cleaned ids or None, whether the write map checked them, the checked ids
     as a list where the host check read a few). `mapping`: the map check is on."""
-    mapped = None if capturing or not mapping else stepmap.check_step(guard, runner, batch, pool, high)
+    mapped = None if capturing or not mapping else stepmap.check_step(guard, runner, batch, pool, high, draft_step)
     if mapped is None:  # bounds and liveness alone
         check_write(guard, pool, guard.step_site, 0, loc, high, lambda: -1)
         return None, False, None
@@ -176,11 +184,14 @@ def make_forward_hook(guard: Guard, pool_attr: str) -> Any:
         if cleaned is not None:  # bound for this forward only: sglang copies the batch before any layer writes
             cleaned, batch.out_cache_loc = batch.out_cache_loc, cleaned
         try:
-            return wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs)
         finally:
             if cleaned is not None:
                 batch.out_cache_loc = cleaned  # sglang's own tensor, never changed, bound again
             step_end(guard)
+        if "positions" in guard.config.checks:  # raise mode: a position report filed before the forward
+            positions.after_forward(guard)
+        return result
 
     return wrapper
 

@@ -23,21 +23,24 @@ from ..model.log import logger
 from ..model.targets import write_map_off
 from ..probes import device, hostmap, stepkernel
 from ..probes.pools import RING, STATE_ATTR, PoolState, region
-from . import owners
+from . import owners, positions
 from .guard import Guard
 
 WRITE_MAP_OFF = write_map_off()  # the installed sglang's: read once
 TABLES_ATTR = "_oobguard_step_tables"  # on a PoolState: its stepkernel.Tables
 
 
-def check_step(guard: Guard, runner: Any, batch: Any, pool: Any,
-               high: int) -> Optional[tuple[torch.Tensor, int, Optional[list]]]:
+def check_step(guard: Guard, runner: Any, batch: Any, pool: Any, high: int,
+               draft_step: int = -1) -> Optional[tuple[torch.Tensor, int, Optional[list]]]:
     """(the ids the step's writes get, their copy region or -1, the checked ids as a
-    list when they were a few on the host), or None: the map is not defined here."""
+    list when they were a few on the host), or None: the map is not defined here.
+    With the position check on, the step's positions too (`draft_step`: an EAGLE draft
+    decode's, -1 elsewhere)."""
     given = getattr(batch, "out_cache_loc", None)
     if isinstance(given, torch.Tensor) and not given.numel():  # an idle forward writes nothing
         return given, -1, []
-    rule = WRITE_MAP_OFF or writemap.rule_of(batch, runner)
+    positioned = "positions" in guard.config.checks
+    rule = WRITE_MAP_OFF or writemap.rule_of(batch, runner, draft_step, positioned)
     if isinstance(rule, str):
         if guard.first_time(f"write map skipped: {rule}"):
             logger.warning("sglang_oobguard: write map not checked for %s (bounds%s only)", rule,
@@ -53,13 +56,17 @@ def check_step(guard: Guard, runner: Any, batch: Any, pool: Any,
             where = owners.Lookup(rule.table, rows, getattr(batch, "rids", None))
             guard.report_now(state, call, **owners.named(where, finding.kind, finding.row, finding.token, finding.value,
                                                            finding.owner, finding.expected))
+        if positioned:  # after the map: a slot it contained is reported as a slot first
+            positions.check_host(guard, state, rule, batch, runner)
         return cleaned, -1, few
     strict = guard.config.mode is Mode.STRICT and device.is_gpu(loc)
     where = region(guard.steps.number % RING, 0)
     clean = None if strict else state.copy_for(where, loc)
     stepkernel.launch(rule, high, guard.step_site, -1, state.record.tensor, guard.steps.counter(state.device),
                       _tables(guard, state, rule, high), state.live, clean,
-                      guard.message(guard.step_site) if strict else None)
+                      guard.message(guard.step_site) if strict else None, positions.POSITION_SITE)
+    if rule.expect:  # the kernel checked the positions too
+        guard.counts.n[positions.STEPS] += 1
     if device.is_gpu(loc):
         state.order.probed(loc.device)
     guard.launched(state)  # inside the step: its record is read at the next boundary

@@ -46,6 +46,9 @@ def _lengths(seen: Seen) -> tuple[Optional[list], Optional[list]]:
     """Tokens per request and the position of each request's first token in this
     step, from host-side values only."""
     mode, size = _mode(seen), seen.batch_size
+    if mode == "decode" and getattr(seen.runner, "is_draft_worker", False):  # an EAGLE draft step: topk lanes a row
+        topk = getattr(getattr(seen.runner, "server_args", None), "speculative_eagle_topk", None)
+        return ([topk] * size, None) if isinstance(topk, int) else (None, None)  # positions: its draft step's
     if mode == "decode" and seen.seq_lens is not None:
         return [1] * size, [int(n) - 1 for n in seen.seq_lens[:size].tolist()]
     if seen.extend_lens is not None and len(seen.extend_lens) == size:

@@ -37,6 +37,8 @@ class Kind(enum.IntEnum):
     NOT_STEP = 15  # a write with ids of its own (not the step's out_cache_loc) into a slot no token of the step writes
     NONFINITE = 16  # a value written is NaN or +-Inf (SGLANG_OOBGUARD_FINITE)
     HELD = 17  # a HiCache host -> device load into a slot another running request holds (`hiloads`)
+    POSITION = 18  # a token's positions[i] is not its position in its request (its K rotated there: `positions`)
+    TOKEN = 19  # a token's input_ids[i] is not its request's token at its position (`positions`)
 
 
 READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kinds, by name
@@ -44,8 +46,13 @@ READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kind
 CHECK_OF = {"bounds": "bounds", "freed": "liveness", "double_free": "liveness", "other_request": "map",
             "duplicate": "map", "shared_row": "map", "owned": "owners", "handed_out": "liveness", "unmapped": "swa",
             "peer_mapped": "swa", "swa_other": "swa", "in_flight": "pd", "read_freed": "reads", "read_reused": "reads",
-            "repointed": "reads", "not_step": "ownids", "nonfinite": "finite", "held": "hicache"}
+            "repointed": "reads", "not_step": "ownids", "nonfinite": "finite", "held": "hicache",
+            "position": "positions", "token": "positions"}
 ELEMENTS = ("nan", "+inf", "-inf")  # a non-finite value, as a record numbers it
+SAID = {"handed_out": "reported only (the allocator's hand-out goes on)",  # what warn did about a kind, in words
+        "nonfinite": "non-finite KV values, written unchanged (the guard reports, it does not repair data)",
+        **{kind: f"reported only (the slot is right, the {kind} is not: the step runs on uncontained)"
+           for kind in ("position", "token")}}
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -144,6 +151,8 @@ class Violation:
     head: Optional[int] = None  # its head,
     element: Optional[str] = None  # "nan", "+inf" or "-inf",
     padding: Optional[bool] = None  # and whether its slot is padding slot 0 (how sglang #36207 starts)
+    draft_step: Optional[int] = None  # kind "position": the EAGLE draft step of the forward (None: not a draft step)
+    lowest: int = -1  # kind "position", a tree verify: the lowest position allowed (`expected`: the highest)
 
     @classmethod
     def of(cls, record: Any, pool: str, **where: Any) -> "Violation":
@@ -210,12 +219,10 @@ class Violation:
                     "deferred-release timeout: the backend cannot say when its writes end)")
         if self.kind == "in_flight":
             return "free of pages a KV transfer still writes (held back from the free list until it ends)"
-        if self.kind == "handed_out":
-            return "reported only (the allocator's hand-out goes on)"
+        if self.kind in SAID:
+            return SAID[self.kind]
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
-        if self.kind == "nonfinite":
-            return "non-finite KV values, written unchanged (the guard reports, it does not repair data)"
         return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
 
 
@@ -241,6 +248,16 @@ def _nonfinite(v: Violation) -> str:
     if v.head is not None:
         where += f" head {v.head}"
     return f"{where} is {v.element}, not finite ({v.bad} non-finite values written)"
+
+
+def _position(v: Violation) -> str:
+    """A token rotated at the wrong position (`value`), or fed the wrong token, and what it should be."""
+    more = f" ({v.bad} of {v.numel} tokens)" if v.bad > 1 else ""
+    if v.kind == "token":
+        return f"input_ids[{v.pos}] = {v.value} is not its request's token at position {v.token} ({v.expected}){more}"
+    own = f"in [{v.lowest}, {v.expected}] (its depth in the draft tree)" if v.lowest >= 0 else f"{v.expected}"
+    return (f"positions[{v.pos}] = {v.value} is not this token's position {own}"
+            f"{'' if v.draft_step is None else f' at draft step {v.draft_step}'}: its K is rotated there{more}")
 
 
 def _read(self: Violation) -> str:  # a Violation's text, kept out of its class
@@ -276,8 +293,8 @@ def _what(v: Violation) -> str:
                 f"bootstrap room {v.room}, sent "
                 f"{_at_step(v.sent_step)})"
                 + (f" ({v.bad} of {v.numel} freed pages in flight)" if v.bad > 1 else ""))
-    if v.kind == "nonfinite":
-        return _nonfinite(v)
+    if v.kind in ("nonfinite", "position", "token"):  # no slot id: a value, a position, a token
+        return (_nonfinite if v.kind == "nonfinite" else _position)(v)
     name = v.freed or "loc"
     at = f"{name}[{v.pos}] = {v.value}"
     more = f" ({v.bad} of {v.numel} ids bad)" if v.bad > 1 else ""

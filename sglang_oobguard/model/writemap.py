@@ -16,6 +16,10 @@ with p per forward mode (sglang 0.5.23, measured: ../shared/reference/write-map.
   branches); positions[i] = seq_lens[r] + s at draft step s;
 - target verify, EAGLE and NGRAM ("verify"): rows of draft_token_num tokens, p = seq_lens[r] + j.
 
+With the position check on (`positions=True`), the rule also carries what the batch's
+positions must hold (`expect`, `poslayout`), and a draft step's p comes from its draft
+step s when it is known: p = seq_lens[r] + s + k * lane(r), not from positions.
+
 `rule_of` reads the mapping's values only from the batch's device tensors (a host value
 baked into a CUDA graph would be wrong at replay) and host ints only for shapes. Where
 the map is not defined it returns a reason (a str): the caller skips by name.
@@ -29,6 +33,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
+
+from . import poslayout
 
 FAMILIES = ("extend", "decode", "draft", "verify")
 class Rule(NamedTuple):
@@ -45,16 +51,19 @@ class Rule(NamedTuple):
     counts: Optional[torch.Tensor] = None  # extend: extend_seq_lens
     prefix: Optional[torch.Tensor] = None  # extend: extend_prefix_lens
     offset: Optional[torch.Tensor] = None  # decode: encoder_lens
-    positions: Optional[torch.Tensor] = None  # draft: positions
+    positions: Optional[torch.Tensor] = None  # the batch's positions: a draft's p (draft_step < 0), the position check
     width: int = 1  # tokens per row: decode 1, verify draft_token_num, draft topk
     steps: int = 1  # draft: speculative_num_steps
     page: int = 1  # draft: the allocator's page size
+    draft_step: int = -1  # draft: the step s of the draft loop (-1: not known, p from positions)
+    expect: int = 0  # the position check: poslayout.EXACT or TREE (0: not checked)
 
 
 _MODE_NAMES: dict = {}
 
 
-def _mode(batch: Any) -> str:
+def mode_of(batch: Any) -> str:
+    """sglang's forward mode's name, lower case (a dict look-up after the first)."""
     mode = getattr(batch, "forward_mode", None)
     try:
         name = _MODE_NAMES.get(mode)
@@ -73,7 +82,7 @@ def plain_decode(batch: Any, runner: Any) -> Optional[tuple[torch.Tensor, torch.
     """(req_pool_indices, seq_lens, req_to_token) of a plain decode step (one token per
     row at seq_lens - 1: no virtual ids, no encoder offset, not a draft runner), read
     with the fewest attribute reads (the caller checks their shapes); None: ask `rule_of`."""
-    if _mode(batch) != "decode" or getattr(runner, "is_draft_worker", False) \
+    if mode_of(batch) != "decode" or getattr(runner, "is_draft_worker", False) \
             or getattr(batch, "out_cache_loc_virtual", None) is not None or getattr(batch, "encoder_lens", None) is not None:
         return None
     rows, seq_lens = getattr(batch, "req_pool_indices", None), getattr(batch, "seq_lens", None)
@@ -87,10 +96,22 @@ def _tensor(value: Any) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def rule_of(batch: Any, runner: Any) -> Union[Rule, str]:
+def rule_of(batch: Any, runner: Any, draft_step: int = -1, positions: bool = False) -> Union[Rule, str]:
     """This forward's rule, or why the write map is not defined for it (a reason the
-    caller logs once and `doctor` lists)."""
-    mode = _mode(batch)
+    caller logs once and `doctor` lists). `positions`: the position check is on, and a
+    draft decode is at `draft_step` (-1: not known)."""
+    rule = _rule(batch, runner, draft_step if positions else -1)
+    if isinstance(rule, str) or not positions:
+        return rule
+    given = _tensor(getattr(batch, "positions", None))
+    if given is None or given.dim() != 1 or given.numel() < rule.ids.numel():
+        return rule
+    how = poslayout.layout(rule.family, batch, runner, rule.draft_step)
+    return rule if isinstance(how, str) else rule._replace(positions=given, expect=how)
+
+
+def _rule(batch: Any, runner: Any, draft_step: int) -> Union[Rule, str]:
+    mode = mode_of(batch)
     ids = _tensor(getattr(batch, "out_cache_loc", None))
     pool = getattr(runner, "req_to_token_pool", None)
     table = _tensor(getattr(pool, "req_to_token", None))
@@ -125,7 +146,8 @@ def rule_of(batch: Any, runner: Any) -> Union[Rule, str]:
         if ids.numel() != size * topk or positions.numel() < ids.numel():
             return f"draft decode: out_cache_loc has {ids.numel()} ids, not batch {size} x topk {topk}"
         page = int(getattr(runner, "page_size", 1) or 1)
-        return Rule("draft", positions=positions, width=topk, steps=steps, page=page, **base)
+        return Rule("draft", positions=positions, width=topk, steps=steps, page=page,
+                    draft_step=draft_step if 0 <= draft_step < steps - 1 else -1, **base)
     if mode == "decode":
         if ids.numel() != size:
             return f"decode: out_cache_loc has {ids.numel()} ids for a batch of {size}"

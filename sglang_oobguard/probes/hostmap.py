@@ -68,10 +68,11 @@ def token_map(rule: Rule, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             p = p + _np(rule.offset).astype(np.int64)[r]
     elif rule.family == "verify":
         p = seq[r] + j
-    else:  # draft
+    else:  # draft: from its draft step when known, else from positions
         page = rule.page
         lane = -(-(seq[r] % page + rule.steps) // page) * page
-        p = _np(rule.positions).astype(np.int64)[tok] + j * lane
+        base = seq[r] + rule.draft_step if rule.draft_step >= 0 else _np(rule.positions).astype(np.int64)[tok]
+        p = base + j * lane
     return tok, r, p
 
 
@@ -127,7 +128,7 @@ def _clean_few(rule: Rule, vals: list, high: int, live: Any, views: TableView) -
     nrows, ncols = table.shape
     virt = vals if rule.virtual is rule.ids else rule.virtual.tolist()[:count]
     offset = None if rule.offset is None else rule.offset.tolist()[:b]
-    positions = None if rule.positions is None else rule.positions.tolist()[:count]
+    positions = rule.positions.tolist()[:count] if family == "draft" and rule.draft_step < 0 else None
     for i in range(count):
         r, j = divmod(i, w)
         if family == "decode":
@@ -136,7 +137,8 @@ def _clean_few(rule: Rule, vals: list, high: int, live: Any, views: TableView) -
             p = seq[r] + j
         else:
             page = rule.page
-            p = positions[i] + j * (-(-(seq[r] % page + rule.steps) // page) * page)
+            base = seq[r] + rule.draft_step if positions is None else positions[i]
+            p = base + j * (-(-(seq[r] % page + rule.steps) // page) * page)
         row = rows[r]
         if not (0 <= row < nrows and 0 <= p < ncols) or table.item(row, p) != virt[i]:
             return False

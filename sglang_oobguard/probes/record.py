@@ -40,6 +40,7 @@ class Record(NamedTuple):
     # A non-finite value (Kind.NONFINITE): `bad` counts values, `pos` is the token's place in
     # the write's ids and `value` its slot (-1: a per-write part such as a scale, no token).
     # Read for that kind only; 0 otherwise, as the id probes leave them.
+    # A position or token (`position`): `owner` and `head` keep its draft step and lowest position.
     head: int = 0  # first violation: the head (dim 1 of a 3-D part; -1: none)
     elem: int = 0  # first violation: which non-finite value (violation.ELEMENTS)
     part: int = 0  # first violation: which argument held it (violation.part_name)
@@ -79,6 +80,16 @@ class Record(NamedTuple):
         token in the write's ids and `slot` that token's slot (-1: a per-write part)."""
         return cls(bad, 1, site, layer, high, bad, numel, pos, slot, step, Kind.NONFINITE, head=head, elem=elem,
                    part=part)
+
+
+    @classmethod
+    def position(cls, *, site: int, numel: int, bad: int, pos: int, value: int, step: int, kind: int, row: int,
+                 expected: int, draft_step: int = -1, lowest: int = -1) -> "Record":
+        """A token rotated at a wrong position (Kind.POSITION: `value` its positions[i], `expected`
+        the highest position allowed, exact: the one) or fed a wrong token (Kind.TOKEN: input_ids[i]
+        and its request's). The draft step is kept in `owner`, a tree verify's lowest position in
+        `head` (-1 each where there is none); `high` is 0: no slot is wrong."""
+        return cls(bad, 1, site, -1, 0, bad, numel, pos, value, step, int(kind), row, expected, draft_step, lowest)
 
 
 RECORD_LEN = len(Record._fields)

@@ -17,7 +17,13 @@ One program walks the step's ids in BLOCK-wide chunks, twice:
 
 Token -> (row, position) per family (constexpr FAMILY): 0 extend (binary search of the
 token in extend_start_loc, `search` halvings), 1 decode (seq_lens - 1 + encoder_lens),
-2 draft decode (positions + lane * lane stride), 3 target verify (seq_lens + j).
+2 draft decode (seq_lens + draft_step, or positions where the step is not known, + lane *
+lane stride), 3 target verify (seq_lens + j).
+
+The position check (`pos_mode`, a runtime value: no variant of its own) folds into pass 2:
+each token's positions[i] against its range (`hostpos`'s contract); the first such token
+is recorded, kind POSITION, only when no token's slot was bad (one record per call), and
+is not cleaned (its slot is right).
 Padding is exempt by count: tokens past the real total (extend: the last row's start +
 count; others: batch * width), rows past the batch.
 
@@ -39,7 +45,7 @@ from ..model.writemap import FAMILIES, Rule
 from . import device, kernels
 from .kernels import (_BAD, _CALLS, _EXPECTED, _HIGH, _KIND, _LAYER, _NO_POS, _NUMEL, _OWNER, _POS, _ROW, _SITE, _STEP,
                       _TOTAL_BAD, _VALUE)
-from .record import Kind
+from .record import OFFSET, Kind
 from .shadow import Live
 
 _LOW_MASK = tl.constexpr(2**31 - 1)
@@ -50,6 +56,8 @@ K_OTHER = tl.constexpr(int(Kind.OTHER_REQUEST))
 K_DUP = tl.constexpr(int(Kind.DUPLICATE))
 K_SHARED = tl.constexpr(int(Kind.SHARED_ROW))
 K_OWNED = tl.constexpr(int(Kind.OWNED))
+K_POSITION = tl.constexpr(int(Kind.POSITION))
+_HEAD = tl.constexpr(OFFSET["head"])
 
 STEP_BLOCK = 256
 
@@ -68,7 +76,7 @@ def new_tables(high: int, rows: int, where: torch.device) -> Tables:
 
 
 @triton.jit
-def _token_map(offs, n, batch, search, FAMILY: tl.constexpr, width, steps, page,
+def _token_map(offs, n, batch, search, FAMILY: tl.constexpr, width, steps, page, draft_step,
                starts_ptr, counts_ptr, prefix_ptr, seq_ptr, offset_ptr, pos_ptr, HAS_OFFSET: tl.constexpr):
     """(real, r, p) per token offset: real = a token of a real row."""
     inside = offs < n
@@ -98,12 +106,30 @@ def _token_map(offs, n, batch, search, FAMILY: tl.constexpr, width, steps, page,
             p = seq - 1
             if HAS_OFFSET:
                 p += tl.load(offset_ptr + r, mask=real, other=0).to(tl.int64)
-        elif FAMILY == 2:  # draft decode: lane j of row r
+        elif FAMILY == 2:  # draft decode: lane j of row r, at its draft step (else its positions)
             lane = (seq % page + steps + page - 1) // page * page
-            p = tl.load(pos_ptr + offs, mask=real, other=0).to(tl.int64) + j * lane
+            given = tl.load(pos_ptr + offs, mask=real & (draft_step < 0), other=0).to(tl.int64)
+            p = tl.where(draft_step >= 0, seq + draft_step, given) + j * lane
         else:  # target verify
             p = seq + j
     return real, r, p
+
+
+@triton.jit
+def _position_range(offs, real, r, p, FAMILY: tl.constexpr, width, draft_step, pos_mode, seq_ptr, pos_ptr):
+    """(bad, given, lo, hi): the token's positions[i] and the range it must lie in."""
+    on = real & (pos_mode > 0)
+    given = tl.load(pos_ptr + offs, mask=on, other=0).to(tl.int64)
+    if FAMILY == 2:  # a draft step s: seq_lens + s on every lane
+        lo = tl.load(seq_ptr + r, mask=on, other=0).to(tl.int64) + draft_step
+        hi = lo
+    elif FAMILY == 3:  # verify: p = seq_lens + j; a tree's within [seq_lens, p]
+        hi = p
+        lo = tl.where(pos_mode == 2, p - (offs - r * width), p)
+    else:
+        lo = p
+        hi = p
+    return on & ((given < lo) | (given > hi)), given, lo, hi
 
 
 @triton.jit
@@ -122,7 +148,8 @@ def _read_token(raw, offs, real, r, p, virt_ptr, virt_stride, rows_ptr, table_pt
     return val, virt, rpi, expected
 
 
-@triton.jit(do_not_specialize=["n", "batch", "search", "width", "steps", "page", "high", "site", "layer",
+@triton.jit(do_not_specialize=["n", "batch", "search", "width", "steps", "page", "draft_step", "pos_mode", "pos_site",
+                               "high", "site", "layer",
                                "live_page", "live_high", "ncols", "nrows", "ids_stride", "virt_stride", "table_stride"],
             do_not_specialize_on_alignment=["ids_ptr", "virt_ptr", "table_ptr", "rows_ptr", "seq_ptr", "starts_ptr",
                                             "counts_ptr", "prefix_ptr", "offset_ptr", "pos_ptr", "live_ptr",
@@ -130,7 +157,7 @@ def _read_token(raw, offs, real, r, p, virt_ptr, virt_stride, rows_ptr, table_pt
                                             "clean_ptr"])
 def _step_kernel(
     ids_ptr, ids_stride, virt_ptr, virt_stride, n, table_ptr, table_stride, ncols, nrows, rows_ptr, batch, seq_ptr,
-    starts_ptr, counts_ptr, prefix_ptr, offset_ptr, pos_ptr, search, width, steps, page,
+    starts_ptr, counts_ptr, prefix_ptr, offset_ptr, pos_ptr, search, width, steps, page, draft_step, pos_mode, pos_site,
     high, site, layer, live_ptr, owner_ptr, live_page, live_high,
     slot_stamp_ptr, row_stamp_ptr, record_ptr, step_ptr, clean_ptr,
     FAMILY: tl.constexpr,
@@ -148,7 +175,7 @@ def _step_kernel(
     # pass 1: stamp each real token's slot and row with (tag, its smallest index)
     for start in range(0, n, BLOCK):
         offs = start + lanes
-        real, r, p = _token_map(offs, n, batch, search, FAMILY, width, steps, page, starts_ptr, counts_ptr,
+        real, r, p = _token_map(offs, n, batch, search, FAMILY, width, steps, page, draft_step, starts_ptr, counts_ptr,
                                 prefix_ptr, seq_ptr, offset_ptr, pos_ptr, HAS_OFFSET)
         val = tl.load(ids_ptr + offs * ids_stride, mask=real, other=0).to(tl.int64)
         ok = real & (val >= 0) & (val < high)
@@ -160,10 +187,12 @@ def _step_kernel(
     # pass 2: decide, claim, copy, tally
     bad_count = tl.zeros([BLOCK], dtype=tl.int64)
     first_pos = tl.full([BLOCK], _NO_POS, dtype=tl.int64)
+    pos_count = tl.zeros([BLOCK], dtype=tl.int64)  # the position check's
+    pos_first = tl.full([BLOCK], _NO_POS, dtype=tl.int64)
     for start in range(0, n, BLOCK):
         offs = start + lanes
         inside = offs < n
-        real, r, p = _token_map(offs, n, batch, search, FAMILY, width, steps, page, starts_ptr, counts_ptr,
+        real, r, p = _token_map(offs, n, batch, search, FAMILY, width, steps, page, draft_step, starts_ptr, counts_ptr,
                                 prefix_ptr, seq_ptr, offset_ptr, pos_ptr, HAS_OFFSET)
         raw = tl.load(ids_ptr + offs * ids_stride, mask=inside, other=0)
         val, virt, rpi, expected = _read_token(raw, offs, real, r, p, virt_ptr, virt_stride, rows_ptr, table_ptr,
@@ -196,16 +225,21 @@ def _step_kernel(
         fresh = bad & (first_pos == _NO_POS)
         bad_count += bad.to(tl.int64)
         first_pos = tl.where(fresh, offs, first_pos)
+        moved, _, _, _ = _position_range(offs, real, r, p, FAMILY, width, draft_step, pos_mode, seq_ptr, pos_ptr)
+        pos_count += moved.to(tl.int64)
+        pos_first = tl.where(moved & (pos_first == _NO_POS), offs, pos_first)
     total = tl.sum(bad_count, axis=0)
     pos = tl.min(first_pos, axis=0)
+    pos_total = tl.sum(pos_count, axis=0)
     if ASSERT:
-        tl.device_assert(total == 0, MESSAGE)
+        tl.device_assert(total + pos_total == 0, MESSAGE)
     hit = total > 0
+    moved_hit = (total == 0) & (pos_total > 0)  # a position only: recorded when no slot was bad
     tl.debug_barrier()  # every lane's claims made before the owner is read back below
     # the first bad token again (one lane), for its details
-    at = tl.where(hit, pos, 0) + tl.zeros([BLOCK], dtype=tl.int64)
-    one = hit & (lanes == 0)
-    real, r, p = _token_map(at, n, batch, search, FAMILY, width, steps, page, starts_ptr, counts_ptr,
+    at = tl.where(hit, pos, tl.where(moved_hit, tl.min(pos_first, axis=0), 0)) + tl.zeros([BLOCK], dtype=tl.int64)
+    one = (hit | moved_hit) & (lanes == 0)
+    real, r, p = _token_map(at, n, batch, search, FAMILY, width, steps, page, draft_step, starts_ptr, counts_ptr,
                             prefix_ptr, seq_ptr, offset_ptr, pos_ptr, HAS_OFFSET)
     raw = tl.load(ids_ptr + at * ids_stride, mask=one, other=0)
     val, virt, rpi, expected = _read_token(raw, at, one, r, p, virt_ptr, virt_stride, rows_ptr, table_ptr,
@@ -230,31 +264,42 @@ def _step_kernel(
         cur = tl.where(held, cur, 0).to(tl.int64)
         kind = tl.where(kind < 0, K_OWNED, kind)  # nothing else was wrong with it: its owner was
         owner_row = tl.where(held & (cur != 0), cur - 1, -1)
-    calls = tl.atomic_add(record_ptr + _CALLS, tl.full([], 1, tl.int64), mask=hit)
-    tl.atomic_add(record_ptr + _TOTAL_BAD, total, mask=hit)
-    first = hit & (calls == 0)
+    # a position's record: its positions[i], the highest position allowed, the draft step, the lowest (a tree)
+    _, given, lo, hi = _position_range(at, one & real, r, p, FAMILY, width, draft_step, pos_mode, seq_ptr, pos_ptr)
+    kind = tl.where(moved_hit, K_POSITION, kind)
+    either = hit | moved_hit
+    calls = tl.atomic_add(record_ptr + _CALLS, tl.full([], 1, tl.int64), mask=either)
+    tl.atomic_add(record_ptr + _TOTAL_BAD, total + pos_total, mask=either)
+    first = either & (calls == 0)
     lane0 = one & first
-    tl.store(record_ptr + _SITE + lanes * 0, site.to(tl.int64) + lanes * 0, mask=lane0)
+    tl.store(record_ptr + _SITE + lanes * 0, tl.where(moved_hit, pos_site, site).to(tl.int64) + lanes * 0, mask=lane0)
     tl.store(record_ptr + _LAYER + lanes * 0, layer.to(tl.int64) + lanes * 0, mask=lane0)
-    tl.store(record_ptr + _HIGH + lanes * 0, high.to(tl.int64) + lanes * 0, mask=lane0)
-    tl.store(record_ptr + _BAD + lanes * 0, total + lanes * 0, mask=lane0)
+    tl.store(record_ptr + _HIGH + lanes * 0, tl.where(moved_hit, 0, high).to(tl.int64) + lanes * 0, mask=lane0)
+    tl.store(record_ptr + _BAD + lanes * 0, tl.where(moved_hit, pos_total, total) + lanes * 0, mask=lane0)
     tl.store(record_ptr + _NUMEL + lanes * 0, n.to(tl.int64) + lanes * 0, mask=lane0)
     tl.store(record_ptr + _POS + lanes * 0, at, mask=lane0)
-    tl.store(record_ptr + _VALUE + lanes * 0, val, mask=lane0)
+    tl.store(record_ptr + _VALUE + lanes * 0, tl.where(moved_hit, given, val), mask=lane0)
     tl.store(record_ptr + _STEP + lanes * 0, tl.load(step_ptr + lanes * 0, mask=lane0, other=-1), mask=lane0)
     tl.store(record_ptr + _KIND + lanes * 0, kind.to(tl.int64), mask=lane0)
     tl.store(record_ptr + _ROW + lanes * 0, r, mask=lane0)
-    tl.store(record_ptr + _EXPECTED + lanes * 0, expected, mask=lane0)
+    tl.store(record_ptr + _EXPECTED + lanes * 0, tl.where(moved_hit, hi, expected), mask=lane0)
+    if FAMILY == 2:  # a position's record keeps its draft step in `owner`
+        owner_row = tl.where(moved_hit, draft_step + lanes * 0, owner_row)
+    else:
+        owner_row = tl.where(moved_hit, -1, owner_row)
     tl.store(record_ptr + _OWNER + lanes * 0, owner_row, mask=lane0)
+    tl.store(record_ptr + _HEAD + lanes * 0, tl.where(moved_hit & (pos_mode == 2), lo, tl.where(moved_hit, -1, 0)),
+             mask=lane0)
 
 
 
 def launch(rule: Rule, high: int, site: int, layer: int, record: torch.Tensor, step: torch.Tensor,
            tables: Tables, live: Optional[Live], clean: Optional[torch.Tensor],
-           message: Optional[str]) -> None:
+           message: Optional[str], pos_site: int = 0) -> None:
     """Enqueue the step check of one forward (no host sync, no allocation). `clean`: a
     contiguous tensor of the ids' numel and dtype that receives the cleaned copy.
-    `message`: a device-side assert with that text (strict mode on a GPU)."""
+    `message`: a device-side assert with that text (strict mode on a GPU). `pos_site`:
+    a position report's site (with `rule.expect`: the position check runs)."""
     ids = rule.ids
     n = ids.numel()
     family = FAMILIES.index(rule.family)
@@ -273,7 +318,7 @@ def launch(rule: Rule, high: int, site: int, layer: int, record: torch.Tensor, s
             table.shape[0], rule.rows, rule.batch, seq,
             starts, rule.counts if rule.counts is not None else seq, rule.prefix if rule.prefix is not None else seq,
             rule.offset if has_offset else seq, rule.positions if rule.positions is not None else seq,
-            max(rule.batch, 1).bit_length(), rule.width, rule.steps, rule.page,
+            max(rule.batch, 1).bit_length(), rule.width, rule.steps, rule.page, rule.draft_step, rule.expect, pos_site,
             high, site, layer, live.flags if live is not None else record,
             live.owner if has_owner else record, live.page if live is not None else 1,
             live.high if live is not None else 0,
@@ -299,5 +344,5 @@ def warm_up(tables: Tables, where: torch.device, high: int, live: Optional[Live]
                     rule = Rule(family, ids, ids.clone() if virt else ids, table, i64, 0, i64,
                                 starts=i32 if family == "extend" else None, counts=i32 if family == "extend" else None,
                                 prefix=i32 if family == "extend" else None, offset=i64 if offset else None,
-                                positions=i64 if family == "draft" else None)
+                                positions=i64)
                     launch(rule, high, 0, -1, record, step, tables, live, clean, message)

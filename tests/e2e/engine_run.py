@@ -9,7 +9,8 @@ step belongs to request i on every run.
     python tests/e2e/engine_run.py MODEL_DIR random SEED [page=P]
 
 Any workload also takes `page=P`, `chunk=N` (chunked_prefill_size), `pool=N`
-(max_total_tokens), `radix=off` and `overlap=off` (the clean matrix's dimensions).
+(max_total_tokens), `radix=off` and `overlap=off` (the clean matrix's dimensions), and after
+`eagle`, `steps=N` and `drafts=N` (speculative_num_steps, speculative_num_draft_tokens).
 
 `decode`: PD disaggregation's decode side, fake transfer backend (see `decode`).
 
@@ -96,7 +97,8 @@ WORKLOADS = {
 # the clean matrix's dimensions, on any workload: option=value -> the engine's setting
 SETTINGS = {"page": ("page_size", int), "chunk": ("chunked_prefill_size", int), "pool": ("max_total_tokens", int),
             "radix": ("disable_radix_cache", lambda value: value == "off"),
-            "overlap": ("disable_overlap_schedule", lambda value: value == "off")}
+            "overlap": ("disable_overlap_schedule", lambda value: value == "off"),
+            "steps": ("speculative_num_steps", int), "drafts": ("speculative_num_draft_tokens", int)}
 # `decode abort`: a 60-token request aborted 0.6 s after it was sent, then three of 24-34 tokens, more than
 # the pool has left: the last takes pages the aborted one gave back
 DECODE_ABORT = [" ".join([PROMPTS[i]] * n) for i, n in ((1, 12), (0, 8), (2, 8), (3, 8))]

@@ -29,8 +29,8 @@ RADIX_POOL = 384  # the radix workload's max_total_tokens (engine_run.py)
 RETRACTED = re.compile(r"(?:KV cache pool is full\. Retract requests\.|Testing retraction\.) #retracted_reqs: (\d+)")
 PREFILL = re.compile(r"Prefill batch, #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)")
 CLEARED = (*GUARD_VARS, "OOBGUARD_FAULT", "OOBGUARD_COUNT", "OOBGUARD_TRANSFER", "OOBGUARD_HICACHE_SHIM",
-           "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "OOBGUARD_PD_SHIM", "TRITON_INTERPRET", "SGLANG_PLUGINS",
-           "OOBGUARD_SITE_DIR", "OOBGUARD_FAULT_PLUGIN")
+           "OOBGUARD_HICACHE_FAULT", "OOBGUARD_SWA_READS", "OOBGUARD_PD_SHIM", "OOBGUARD_POSITIONS", "TRITON_INTERPRET",
+           "SGLANG_PLUGINS", "OOBGUARD_SITE_DIR", "OOBGUARD_FAULT_PLUGIN")
 
 
 @dataclass

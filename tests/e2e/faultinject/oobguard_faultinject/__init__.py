@@ -3,7 +3,8 @@ and a tally of the KV writes, moves and frees the engine made.
 
 Loaded by sglang's own `load_plugins()` like any plugin. With none of the variables
 below set (OOBGUARD_FAULT, OOBGUARD_COUNT; OOBGUARD_TRANSFER, OOBGUARD_HICACHE_SHIM,
-OOBGUARD_HICACHE_FAULT at the end; OOBGUARD_PD_SHIM: tests/pd_shim.py) it does nothing.
+OOBGUARD_HICACHE_FAULT at the end; OOBGUARD_PD_SHIM: tests/pd_shim.py; OOBGUARD_POSITIONS:
+`oobguard_faultinject.positions`) it does nothing.
 
 `OOBGUARD_FAULT=step=3,token=1,value=high+3` (step may be a range, `3-6`; value
 `high+K` means the pool's size + page_size + K, or a literal such as `-1`) wraps
@@ -61,7 +62,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import swa
+from . import positions, swa
 
 _count = 0
 _moves = 0
@@ -331,6 +332,9 @@ def load() -> None:
     if os.environ.get("OOBGUARD_TRANSFER"):
         wrapt.register_post_import_hook(_patch_fake, "sglang.srt.disaggregation.fake.conn")
         wrapt.register_post_import_hook(_patch_alloc, "sglang.srt.mem_cache.allocator.token")
+    if os.environ.get("OOBGUARD_POSITIONS"):
+        wrapt.register_post_import_hook(positions.patch_runner, "sglang.srt.model_executor.model_runner")
+        wrapt.register_post_import_hook(positions.patch_batch, "sglang.srt.model_executor.forward_batch_info")
     if os.environ.get("OOBGUARD_SWA_READS"):
         wrapt.register_post_import_hook(swa.patch_reads, "sglang.srt.layers.attention.torch_native_backend")
     if _spec().get("site") == "swa" and "door" in _spec().get("value", "").split("+"):
