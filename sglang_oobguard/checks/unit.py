@@ -53,6 +53,8 @@ class Unit:
     # the wrapper of a tracked allocator method this unit owns, or None (with liveness on)
     fields: Optional[Callable[[Any, Any], dict[str, Any]]] = None  # (pool state, record) -> what it adds to a report
     doctor: Callable[[Found], list[str]] = no_lines  # its lines under its doctor line
+    idle: Optional[Callable[[Any, Any], None]] = None  # (guard, sglang's scheduler): as the scheduler idles, before
+    # sglang's own idle check (while the check is on)
 
 
 def defines(module: str, owner: str, method: str) -> Optional[bool]:

@@ -17,7 +17,8 @@ from typing import Callable, Iterable, Mapping
 # Every check the guard can run: its switch's name, in the order of the exit line, the report and doctor.
 # Each is a unit of `checks/` (`checks.registry` lists them, with what each catches), which this table names
 # only: sglang's processes read the switch before torch, where no unit may load.
-NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "finite", "swa", "pd", "hicache")
+NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "finite", "swa", "pd", "hicache",
+         "rows", "leaks")
 
 # What each check reads that another keeps: the read check reads the owner table and each
 # slot's generation (history); ids of a layer's own are compared with the ids the map passed.
@@ -27,13 +28,15 @@ NEEDS = {
     "reads": ("liveness", "map", "owners", "history"),
     "ownids": ("map",),
     "pd": ("liveness",),
+    "rows": ("liveness",),
+    "leaks": ("liveness",),
 }
 
 # The guard on, nothing else asked for. The SWA door's slot check and HiCache's copies run
 # without liveness (their frees, and the loads' owners, with it): on, as before the switch.
 DEFAULT = frozenset({"bounds", "map", "ownids", "swa", "hicache"})
 ALIASES = {  # the older variables, each a set of checks turned on
-    "liveness": frozenset({"liveness", "history", "owners", "reads", "swa", "pd", "hicache"}),
+    "liveness": frozenset({"liveness", "history", "owners", "reads", "swa", "pd", "hicache", "rows", "leaks"}),
     "finite": frozenset({"finite"}),
 }
 ALWAYS = "bounds"

@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from . import leaktext
+
 
 class Kind(enum.IntEnum):
     """What was wrong with the first bad id of a record (its `kind` field)."""
@@ -37,6 +39,10 @@ class Kind(enum.IntEnum):
     NOT_STEP = 15  # a write with ids of its own (not the step's out_cache_loc) into a slot no token of the step writes
     NONFINITE = 16  # a value written is NaN or +-Inf (SGLANG_OOBGUARD_FINITE)
     HELD = 17  # a HiCache host -> device load into a slot another running request holds (`hiloads`)
+    ROW_DOUBLE_FREE = 18  # a req_to_token row freed while not handed out, or by a request that does not hold it (`rows`)
+    ROW_REUSED = 19  # a row handed to a request while a running request still has it (`rows`)
+    DOUBLE_RELEASE = 20  # a request's KV released a second time (`leaks`)
+    LEAK = 21  # at idle: slots handed out that no request, tree node or transfer holds (`leaks`)
 
 
 READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kinds, by name
@@ -44,7 +50,9 @@ READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kind
 CHECK_OF = {"bounds": "bounds", "freed": "liveness", "double_free": "liveness", "other_request": "map",
             "duplicate": "map", "shared_row": "map", "owned": "owners", "handed_out": "liveness", "unmapped": "swa",
             "peer_mapped": "swa", "swa_other": "swa", "in_flight": "pd", "read_freed": "reads", "read_reused": "reads",
-            "repointed": "reads", "not_step": "ownids", "nonfinite": "finite", "held": "hicache"}
+            "repointed": "reads", "not_step": "ownids", "nonfinite": "finite", "held": "hicache",
+            "row_double_free": "rows", "row_reused": "rows", "double_release": "leaks", "leak": "leaks"}
+ROW_KINDS = ("row_double_free", "row_reused", "double_release")  # their `value` is a req_to_token row
 ELEMENTS = ("nan", "+inf", "-inf")  # a non-finite value, as a record numbers it
 
 
@@ -174,13 +182,14 @@ class Violation:
     def history(self) -> str:
         """The slot's last free and allocation, when liveness tracked them."""
         parts = []
+        unit, given = ("row", "handed out") if self.kind in ROW_KINDS else ("slot", "allocated")
         if self.freed_step >= 0 or self.freed_by:
             parts.append(f"freed {_at_step(self.freed_step)} by {self.freed_by or 'an unknown call'}")
         if self.allocated_step >= 0 or self.allocated_by:
-            parts.append(f"allocated {_at_step(self.allocated_step)} by {self.allocated_by or 'an unknown call'}")
-        if not parts:
+            parts.append(f"{given} {_at_step(self.allocated_step)} by {self.allocated_by or 'an unknown call'}")
+        if not parts or self.kind == "double_release":  # its first release is in its text
             return ""
-        return f"slot {self.value} last " + ", last ".join(parts) + (
+        return f"{unit} {self.value} last " + ", last ".join(parts) + (
             f" (generation {self.generation})" if self.generation >= 0 else "")
 
     def context(self) -> str:
@@ -212,6 +221,8 @@ class Violation:
             return "free of pages a KV transfer still writes (held back from the free list until it ends)"
         if self.kind == "handed_out":
             return "reported only (the allocator's hand-out goes on)"
+        if self.kind in leaktext.CONTAINED:
+            return leaktext.CONTAINED[self.kind]
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
         if self.kind == "nonfinite":
@@ -278,6 +289,8 @@ def _what(v: Violation) -> str:
                 + (f" ({v.bad} of {v.numel} freed pages in flight)" if v.bad > 1 else ""))
     if v.kind == "nonfinite":
         return _nonfinite(v)
+    if v.kind in leaktext.CONTAINED:
+        return leaktext.what(v)
     name = v.freed or "loc"
     at = f"{name}[{v.pos}] = {v.value}"
     more = f" ({v.bad} of {v.numel} ids bad)" if v.bad > 1 else ""
