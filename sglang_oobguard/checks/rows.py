@@ -248,6 +248,6 @@ def doctor(found: Found) -> list[str]:
 
 
 UNIT = Unit("rows", "request rows (req_pool_idx): a row freed twice, or handed to a request while a running request "
-            "still has it", "per row hand-out and free: O(rows)", ("allocs", "frees"),
+            "still has it", "per hand-out and free: O(its rows)", ("allocs", "frees"),
             f"{ROWS_CLASS}'s alloc and free", where=lambda: None if defines(ROWS_MODULE, ROWS_CLASS, "free") is not False
             else f"this sglang has no {ROWS_CLASS}.free", modules=(ROWS_MODULE,), hook=hook, doctor=doctor)

@@ -219,10 +219,8 @@ class Violation:
                     "deferred-release timeout: the backend cannot say when its writes end)")
         if self.kind == "in_flight":
             return "free of pages a KV transfer still writes (held back from the free list until it ends)"
-        if self.kind == "handed_out":
-            return "reported only (the allocator's hand-out goes on)"
-        if self.kind in leaktext.CONTAINED:
-            return leaktext.CONTAINED[self.kind]
+        if self.kind in _CONTAINED:
+            return _CONTAINED[self.kind]
         if self.freed:
             return "bad free (a CPU free passes only the live ids on; a GPU free goes on as asked)"
         if self.kind == "nonfinite":
@@ -230,6 +228,7 @@ class Violation:
         return "bad KV slot ids, write contained (the write got a copy with those ids sent to padding slot 0)"
 
 
+_CONTAINED = {"handed_out": "reported only (the allocator's hand-out goes on)", **leaktext.CONTAINED}
 # The device-side assert text of the value check (strict mode on a GPU): one for every site,
 # so a pool's warm-up compiles one variant per value dtype, not per site.
 FINITE_ASSERT = ("sglang_oobguard: a KV write stores NaN or Inf (SGLANG_OOBGUARD_FINITE); "
