@@ -66,46 +66,52 @@ class Leaks:
 # -- double release ---------------------------------------------------------------
 
 
-def release(guard: Guard, wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """One release_kv_cache call: a second release of a request is reported (and dropped in warn)."""
-    req = args[0] if args else kwargs.get("req")
-    tree = args[1] if len(args) > 1 else kwargs.get("tree_cache")
+def second_release(guard: Guard, req: Any, tree: Any) -> bool:
+    """Before a release: report a second release of `req` (it held no row since its first);
+    True: drop it (warn mode)."""
     book: Leaks = guard.held["leaks"]
     try:
         first = book.released.get(req) if row_of(req) is None else None
-        mamba = first is not None and bool(getattr(tree, "supports_mamba", lambda: False)())
     except TypeError:  # a request that cannot be a weak key: not followed
-        first, mamba = None, True
-    if first is not None and not mamba:  # sglang allows a release without a row only to a mamba tree
-        row, event = first
-        step, site = callsite.unpack(event)
-        pool = getattr(tree, "req_to_token_pool", None)
-        state = rows.book_of(guard, pool).state if pool is not None else None
-        if state is not None:
-            guard.counts.add("leaks", "releases")
-            guard.report_now(state, Record(1, 1, _RELEASE, -1, -1, 1, 1, 0, row, guard.steps.number,
-                                           Kind.DOUBLE_RELEASE), request=str(getattr(req, "rid", None)),
-                             freed_step=step, freed_by=callsite.text(site), claimed=True)
-            if guard.config.mode is Mode.WARN:
-                return None  # dropped: its slots, row and tree locks are given back once
-    row = row_of(req)
-    result = wrapped(*args, **kwargs)
-    if row is not None and row_of(req) is None:  # released now (a session may keep the row: also a release)
+        return False
+    if first is None or bool(getattr(tree, "supports_mamba", lambda: False)()):
+        return False  # sglang allows a release without a row only to a mamba tree
+    row, event = first
+    step, site = callsite.unpack(event)
+    guard.counts.add("leaks", "releases")
+    guard.report_now(rows.book_of(guard, tree.req_to_token_pool).state,
+                     Record(1, 1, _RELEASE, -1, -1, 1, 1, 0, row, guard.steps.number, Kind.DOUBLE_RELEASE),
+                     request=str(getattr(req, "rid", None)), freed_step=step, freed_by=callsite.text(site),
+                     claimed=True)
+    return guard.config.mode is Mode.WARN  # dropped: its slots, row and tree locks are given back once
+
+
+def released(guard: Guard, req: Any, row: Any) -> None:
+    """After a release: a request that held a row and holds none now is remembered, with where."""
+    if row is not None and row_of(req) is None:  # (a streaming session may keep the row: also a release)
         guard.counts.add("leaks", "releases")
         try:
-            book.released[req] = (int(row), callsite.pack(guard.steps.number, callsite.here(RELEASE)))
-        except TypeError:
+            guard.held["leaks"].released[req] = (int(row), callsite.pack(guard.steps.number, callsite.here(RELEASE)))
+        except TypeError:  # a request that cannot be a weak key: not followed
             pass
-    return result
 
 
 def make_release_wrapper(guard: Guard) -> Callable[..., Any]:
+    """The wrapt wrapper of release_kv_cache(req, tree_cache, ...). A report raises (strict,
+    raise); any other failure of the guard's is logged once and the release goes on."""
     guard.name_site(_RELEASE, "a request's row", in_steps=False)  # outside forward steps: no step's request
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         if "leaks" not in guard.config.checks:
             return wrapped(*args, **kwargs)
-        return release(guard, wrapped, args, kwargs)
+        req = args[0] if args else kwargs.get("req")
+        tree = args[1] if len(args) > 1 else kwargs.get("tree_cache")
+        row = row_of(req)
+        if rows.quietly(guard, lambda: second_release(guard, req, tree), "release"):
+            return None
+        result = wrapped(*args, **kwargs)
+        rows.quietly(guard, lambda: released(guard, req, row), "release")
+        return result
 
     setattr(wrapper, MARK, True)
     return wrapper
@@ -178,11 +184,10 @@ def sweep(guard: Guard, scheduler: Any) -> None:
     guard.name_site(_SWEEP, "the pool", in_steps=False)
     live = state.live
     flags = live.flags[:live.pages].cpu().numpy()  # at idle only (on a GPU: one copy, nothing runs)
-    pages = np.flatnonzero(flags)
-    pages = pages[pages > 0]  # page 0: padding, never handed out
     count, listed = held_pages(scheduler, live.page, sub is not allocator)
-    if pages.size <= count:
+    if np.count_nonzero(flags[1:]) <= count:  # page 0: padding, never handed out
         return
+    pages = np.flatnonzero(flags[1:]) + 1
     leaked = np.setdiff1d(pages, listed())
     if leaked.size:
         _report_leaks(guard, state, scheduler, leaked)

@@ -189,7 +189,7 @@ def make_wrapper(role: str, guard: Guard) -> Callable[..., Any]:
 
 def _checked(role: str, guard: Guard, wrapped: Callable[..., Any], pool: Any, given: Any, args: tuple,
              kwargs: dict) -> Any:
-    book = _quietly(guard, lambda: book_of(guard, pool))
+    book = quietly(guard, lambda: book_of(guard, pool))
     if book is None:
         return wrapped(*args, **kwargs)
     if role == "clear":
@@ -204,13 +204,13 @@ def _checked(role: str, guard: Guard, wrapped: Callable[..., Any], pool: Any, gi
         if result is not None:
             new = [(req, row_of(req)) for req, was in zip(reqs, before) if was is None] if reqs is not None else \
                 [(None, row) for row in result]
-            _quietly(guard, lambda: hand_out(guard, book, [(req, int(row)) for req, row in new if row is not None]))
+            quietly(guard, lambda: hand_out(guard, book, [(req, int(row)) for req, row in new if row is not None]))
         return result
     req = None if isinstance(given, (int, list, tuple)) or given is None else given  # free(req), 0.5.10+
-    rows = _quietly(guard, lambda: _rows([row_of(req)] if req is not None else given))
+    rows = quietly(guard, lambda: _rows([row_of(req)] if req is not None else given))
     if rows is None or None in rows:
         return wrapped(*args, **kwargs)
-    kept = _quietly(guard, lambda: free(guard, book, rows, req))
+    kept = quietly(guard, lambda: free(guard, book, rows, req))
     if kept is None or len(kept) == len(rows):
         return wrapped(*args, **kwargs)
     if req is None:  # warn: only the rows that are really handed out go back
@@ -220,14 +220,14 @@ def _checked(role: str, guard: Guard, wrapped: Callable[..., Any], pool: Any, gi
     return None
 
 
-def _quietly(guard: Guard, work: Callable[[], Any]) -> Any:
+def quietly(guard: Guard, work: Callable[[], Any], where: str = "request rows") -> Any:
     """The guard's bookkeeping: a report raises (strict, raise), any other failure is logged once."""
     try:
         return work()
     except KVOutOfBoundsError:
         raise
     except Exception as exc:
-        guard.internal_error("request rows", exc)
+        guard.internal_error(where, exc)
         return None
 
 
