@@ -21,6 +21,8 @@ from typing import Callable
 
 import pytest
 
+from sglang_oobguard.checks.registry import UNITS
+
 from e2e.harness import RETRACTED, Run, assert_radix_reused, reference_run, run_engine
 from sglang_oobguard.report.summary import read
 
@@ -119,6 +121,8 @@ def counted(folder, checks: tuple[str, ...], what: str) -> dict:
     totals = summary.totals()
     idle = [check for check in checks if not any(n for unit, n in totals.get(check, {}).items() if unit != "reports")]
     assert not idle, f"{what}: checks that never ran: {idle}; counted: {totals}"
+    declared = {unit.name: {*unit.counts, "reports"} for unit in UNITS}  # what doctor says each check counts
+    assert all(set(units) <= declared[check] for check, units in totals.items()), (what, totals)
     return totals
 
 

@@ -33,6 +33,13 @@ def _stored(writer: Any) -> tuple[tuple[int, str], ...]:
     return WRITER_VALUES.get(writer.function, ())
 
 
+MEMORY_EXAMPLE = (2**20, 4096, 131072)  # doctor's pool for each check's device memory: pages, rows, context
+
+
+def _bytes(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
 def _check_lines(settings: config.Config) -> list[str]:
     """One line per check (`checks.registry`): its name, on or off and why, what it catches and
     its cost; then the unit's own lines. Its modules are imported here (inside quiet()), so
@@ -55,7 +62,9 @@ def _check_lines(settings: config.Config) -> list[str]:
             state = f"{'with liveness, ' if settings.liveness else ''}where sglang runs {unit.feature}"
         else:
             state = "on"
-        lines.append(f"  {unit.name}: {state} - {unit.catches}; cost: {unit.cost}; runs in: {unit.rides}")
+        memory = "" if unit.memory is None else f"; device memory: {_bytes(unit.memory(*MEMORY_EXAMPLE))} for a pool " \
+            f"of {MEMORY_EXAMPLE[0]} pages and {MEMORY_EXAMPLE[1]} req_to_token rows x {MEMORY_EXAMPLE[2]}, made with them"
+        lines.append(f"  {unit.name}: {state} - {unit.catches}; cost: {unit.cost}{memory}; runs in: {unit.rides}")
         lines += [f"    {line}" for line in unit.doctor(_found)]
     return lines
 

@@ -38,6 +38,7 @@ def fields(state: PoolState, record: Record) -> dict[str, Any]:
 UNIT = Unit("history", "each slot's last allocation and free, named in every report",
             "per allocator call: one call site captured", ("events",),
             "the tracked allocators' methods (with liveness); read when a report is made",
-            fields=fields, doctor=lambda found: [
+            fields=fields, memory=lambda pages, rows, context: shadow.PAGE_BYTES["story"] * (pages + 1),
+            doctor=lambda found: [
                 "slot history, with liveness: each report names the slot's last free and allocation (step, call site) "
                 "and generation"])

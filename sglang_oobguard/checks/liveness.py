@@ -37,7 +37,7 @@ from ..probes.pools import LIVE_ATTR, PoolState
 from ..report.reporter import KVOutOfBoundsError
 from . import claims, transfer
 from .guard import Guard
-from .unit import Unit
+from .unit import Unit, kept
 
 BACKUP_ATTR = "_oobguard_backup"  # on a tracked allocator: the shadow as backup_state() saw it
 
@@ -310,6 +310,9 @@ def _start(guard: Guard, allocator: Any) -> None:
             logger.warning("sglang_oobguard: the liveness shadow of %s grew to %d pages: a CUDA graph captured "
                            "before checks the retired shadow until it is captured again", state.pool_name, pages)
         state.live = shadow.new_live(pages, page, state.device, owners, history)
+        if kept(guard.units.values(), guard.config.checks, pages):
+            logger.info("sglang_oobguard: the checks' memory for %s (%d pages on %s, made with its allocator): %s",
+                        state.pool_name, pages, state.device, kept(guard.units.values(), guard.config.checks, pages))
         if device.is_gpu(state.device):
             _warm_up_frees(guard, state, type(allocator))
     else:
@@ -342,4 +345,5 @@ def allocator_wrapper(target: AllocatorMethod, guard: Guard) -> Optional[Callabl
 
 UNIT = Unit("liveness", "writes, frees and hand-outs of slots the allocator does not hold as handed out",
             "per allocator call and per write: O(ids)", ("steps", "writes", "frees", "allocs"),
-            "the tracked allocators' methods; every guarded write and forward step", allocators=allocator_wrapper)
+            "the tracked allocators' methods; every guarded write and forward step", allocators=allocator_wrapper,
+            memory=lambda pages, rows, context: shadow.PAGE_BYTES["flags"] * (pages + 1))

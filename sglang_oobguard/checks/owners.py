@@ -12,6 +12,7 @@ import torch
 
 from ..model.targets import write_map_off
 from ..probes.record import Kind
+from ..probes.shadow import PAGE_BYTES
 from .unit import Found, Unit
 
 
@@ -85,4 +86,5 @@ def doctor(found: Found) -> list[str]:
 
 
 UNIT = Unit("owners", "a slot is written by the request that owns it", "per step: O(tokens)", ("steps",),
-            "the forward step, with the liveness shadow's owner table", where=write_map_off, doctor=doctor)
+            "the forward step, with the liveness shadow's owner table", where=write_map_off, doctor=doctor,
+            memory=lambda pages, rows, context: PAGE_BYTES["owner"] * (pages + 1))

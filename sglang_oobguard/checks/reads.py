@@ -191,4 +191,5 @@ def doctor(found: Found) -> list[str]:
 
 UNIT = Unit("reads", "a running request reads a slot given back or handed to another",
             "per step: O(context of the batch)", ("steps",), "the forward step's end; sglang's ReqToTokenPool (its memory)",
-            where=write_map_off, doctor=doctor)
+            where=write_map_off, doctor=doctor, memory=lambda pages, rows, context: readmap.Seen.bytes_for(rows, context)
+            if rows else 0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ..model.targets import module_file
 
@@ -53,6 +53,8 @@ class Unit:
     # the wrapper of a tracked allocator method this unit owns, or None (with liveness on)
     fields: Optional[Callable[[Any, Any], dict[str, Any]]] = None  # (pool state, record) -> what it adds to a report
     doctor: Callable[[Found], list[str]] = no_lines  # its lines under its doctor line
+    # (pool pages, req_to_token rows, context) -> the bytes it keeps on the pool's device, made with the pools
+    memory: Optional[Callable[[int, int, int], int]] = None
     idle: Optional[Callable[[Any, Any], None]] = None  # (guard, sglang's scheduler): as the scheduler idles, before
     # sglang's own idle check (while the check is on)
 
@@ -66,3 +68,9 @@ def defines(module: str, owner: str, method: str) -> Optional[bool]:
         return False if module_file(module) is None else None
     cls = getattr(loaded, owner, None)
     return cls is not None and method in vars(cls)
+
+
+def kept(units: Iterable[Unit], on: Iterable[str], pages: int) -> str:
+    """What the checks on keep per pool of `pages` pages on its device, in bytes ("" for none)."""
+    return ", ".join(f"{unit.name} {unit.memory(pages, 0, 0)} B" for unit in units
+                     if unit.memory is not None and unit.name in on and unit.memory(pages, 0, 0))

@@ -62,6 +62,9 @@ class Live(NamedTuple):
         return self._replace(page=1)
 
 
+PAGE_BYTES = {"flags": 4, "owner": 4, "story": 24}  # per page (and one sink page): what `new_live` makes
+
+
 def new_live(pages: int, page: int, device: torch.device, owners: bool = True, history: bool = True) -> Live:
     """A shadow all free; `owners`, `history`: whether the owner check and slot history are on
     (a table that is off is not kept at all, so no check can read it and nothing writes it)."""
