@@ -165,7 +165,9 @@ def _rid(req: Any) -> Optional[str]:
 
 
 def _rows(value: Any) -> list[int]:
-    return [int(value)] if isinstance(value, int) else [int(row) for row in value]
+    """Row ids as sglang passes them: one, or a list (a tensor or array's `tolist`)."""
+    value = value.tolist() if hasattr(value, "tolist") else value
+    return [int(row) for row in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def make_wrapper(role: str, guard: Guard) -> Callable[..., Any]:
@@ -206,7 +208,7 @@ def _checked(role: str, guard: Guard, wrapped: Callable[..., Any], pool: Any, gi
                 [(None, row) for row in result]
             quietly(guard, lambda: hand_out(guard, book, [(req, int(row)) for req, row in new if row is not None]))
         return result
-    req = None if isinstance(given, (int, list, tuple)) or given is None else given  # free(req), 0.5.10+
+    req = given if hasattr(given, "rid") or hasattr(given, "kv") else None  # free(req) (0.5.10+), else row ids
     rows = quietly(guard, lambda: _rows([row_of(req)] if req is not None else given))
     if rows is None or None in rows:
         return wrapped(*args, **kwargs)
