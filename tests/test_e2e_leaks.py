@@ -62,8 +62,9 @@ def test_guard_off_a_second_release_trips_sglang_s_assert_which_names_no_first_r
     assert "AssertionError: Only a mamba-capable tree cache allows freeing before alloc" in run.log, run.log[-3000:]
 
 
-def test_guard_off_a_skipped_free_and_a_reused_row_are_only_counts_in_sglang_s_idle_check(model):
-    run = leak_run(model, "skip+row", SGLANG_WARNS, ADMITTED)
+def test_guard_off_a_skipped_free_and_a_reused_row_are_only_counts_in_sglang_s_idle_check(model, tmp_path):
+    run = leak_run(model, "skip+row", SGLANG_WARNS, ADMITTED, tmp_path)  # the folder: engine_run idles before it stops
+    assert "sglang_oobguard active" not in run.log and not list(tmp_path.glob("*.jsonl"))
     leaker, _ = fired(run, "skip")
     fired(run, "row")
     said = [line for line in run.log.splitlines() if "memory leak detected" in line]
