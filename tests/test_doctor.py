@@ -248,7 +248,7 @@ def test_doctor_lists_every_check_with_its_state():
     pd = "with liveness, where sglang runs PD disaggregation" if has("DecodePreallocQueue._send_kv_metadata") else \
         "off (this sglang has no DecodePreallocQueue._send_kv_metadata or SchedulerDisaggregationPrefillMixin." \
         "_send_kv_chunk (sglang 0.5.21+))"
-    leaks = "off (this sglang has no release_kv_cache nor Scheduler.is_fully_idle (sglang 0.5.10+))"
+    leaks = "off (this sglang has no release_kv_cache (sglang 0.5.10+))"
     hicache = "with liveness, where sglang runs HiCache" if has("MHATokenToKVPoolHost.load_to_device_per_layer") else \
         "off (this sglang has no MHATokenToKVPoolHost.load_to_device_per_layer or MLATokenToKVPoolHost." \
         "load_to_device_per_layer (sglang 0.5.16+))"

@@ -44,7 +44,7 @@ from ..probes.shadow import GEN
 from ..report.counts import slot
 from . import rows
 from .guard import Guard
-from .unit import Found, Unit, Wrap, defines
+from .unit import Found, Unit, Wrap
 
 RELEASE_LABEL = f"{RELEASE} (a request's KV released)"
 SWEEP_LABEL = "idle sweep (slots no request, tree node or transfer holds)"
@@ -230,10 +230,9 @@ def _has_release() -> Optional[bool]:
 
 
 def where() -> Optional[str]:
-    """Why neither half runs on this sglang (read from its classes), or None."""
-    if _has_release() is False and defines(IDLE_HOOK.module, IDLE_HOOK.owner, IDLE_GATE) is False:
-        return f"this sglang has no {RELEASE} nor Scheduler.{IDLE_GATE} (sglang {RELEASE_SINCE}+)"
-    return None
+    """Why the check does not run on this sglang (read from its code), or None: both halves come with
+    release_kv_cache (and Scheduler.is_fully_idle) in 0.5.10."""
+    return f"this sglang has no {RELEASE} (sglang {RELEASE_SINCE}+)" if _has_release() is False else None
 
 
 def doctor(found: Found) -> list[str]:
@@ -242,8 +241,8 @@ def doctor(found: Found) -> list[str]:
             f"idle sweep: before {IDLE_HOOK.owner}.({' or '.join(IDLE_HOOK.methods)}), while {IDLE_HOOK.owner}."
             f"{IDLE_GATE}(): {found(IDLE_HOOK.module, IDLE_HOOK.owner, IDLE_GATE)}",
             "  the tracked allocators' slots against the tree, the sessions' rows and PD's transfers (sglang's counts "
-            "first, the tree walked only when they differ); each leaked allocation reported once, with its history "
-            "and its request (the owner table and the rows' book: owners and rows on)",
+            "first, the tree walked only when they differ); one report per leaking request (the owner table and the "
+            "rows' book name it: owners and rows on), each page once, with its history",
             "  not seen: leaks of untracked allocators (liveness's lines), SWA ids (the full ids are swept), a leak "
             "while requests run (until the next idle), on 0.4.x (no release_kv_cache, no is_fully_idle)"]
 

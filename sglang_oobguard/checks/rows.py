@@ -249,7 +249,11 @@ def doctor(found: Found) -> list[str]:
             "hand-out names no request, so a row reused under its request is not seen there"]
 
 
+def where() -> Optional[str]:
+    """Why the check does not run on this sglang (read from its classes), or None."""
+    return f"this sglang has no {ROWS_CLASS}.free" if defines(ROWS_MODULE, ROWS_CLASS, "free") is False else None
+
+
 UNIT = Unit("rows", "request rows (req_pool_idx): a row freed twice, or handed to a request while a running request "
             "still has it", "per hand-out and free: O(its rows)", ("allocs", "frees"),
-            f"{ROWS_CLASS}'s alloc and free", where=lambda: None if defines(ROWS_MODULE, ROWS_CLASS, "free") is not False
-            else f"this sglang has no {ROWS_CLASS}.free", modules=(ROWS_MODULE,), hook=hook, doctor=doctor)
+            f"{ROWS_CLASS}'s alloc and free", where=where, modules=(ROWS_MODULE,), hook=hook, doctor=doctor)
