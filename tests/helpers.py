@@ -151,6 +151,8 @@ FACTS: dict[str, Fact] = {
     "SchedulerDisaggregationPrefillMixin._send_kv_chunk": Fact(
         _has("sglang.srt.disaggregation.prefill", "SchedulerDisaggregationPrefillMixin._send_kv_chunk"),
         "TRANSFER_SINCE"),
+    # every release of a request's KV (the leaks check's double release)
+    "release_kv_cache": Fact(_has("sglang.srt.mem_cache.common", "release_kv_cache"), "0.5.10"),
     # HiCache's host pool (the CPU shim tests/hicache_shim.py stands in for its CUDA-only parts)
     "MHATokenToKVPoolHost.load_to_device_per_layer": Fact(
         _has("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost.load_to_device_per_layer"), "HICACHE_SINCE"),

@@ -133,7 +133,7 @@ def test_report_dir_with_stray_spaces_is_an_error():
 ON = {"SGLANG_OOBGUARD_MODE": "strict"}
 LIVE = {**ON, "SGLANG_OOBGUARD_LIVENESS": "1"}
 NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "positions", "finite", "swa", "pd",
-         "hicache")
+         "hicache", "rows", "leaks")
 
 
 def checks(env):
@@ -142,7 +142,7 @@ def checks(env):
 
 def test_without_the_switch_the_aliases_turn_on_exactly_what_they_did():
     assert checks(ON) == {"bounds", "map", "ownids", "positions", "swa", "hicache"}
-    assert checks(LIVE) == checks(ON) | {"liveness", "history", "owners", "reads", "pd"}
+    assert checks(LIVE) == checks(ON) | {"liveness", "history", "owners", "reads", "pd", "rows", "leaks"}
     assert checks({**ON, "SGLANG_OOBGUARD_FINITE": "1"}) == checks(ON) | {"finite"}
     cfg = from_env(LIVE)
     assert cfg.liveness and not cfg.finite and not cfg.switched_off

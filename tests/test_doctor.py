@@ -248,13 +248,15 @@ def test_doctor_lists_every_check_with_its_state():
     pd = "with liveness, where sglang runs PD disaggregation" if has("DecodePreallocQueue._send_kv_metadata") else \
         "off (this sglang has no DecodePreallocQueue._send_kv_metadata or SchedulerDisaggregationPrefillMixin." \
         "_send_kv_chunk (sglang 0.5.21+))"
+    leaks = "off (this sglang has no release_kv_cache (sglang 0.5.10+))"
     hicache = "with liveness, where sglang runs HiCache" if has("MHATokenToKVPoolHost.load_to_device_per_layer") else \
         "off (this sglang has no MHATokenToKVPoolHost.load_to_device_per_layer or MLATokenToKVPoolHost." \
         "load_to_device_per_layer (sglang 0.5.16+))"
     assert states == ["bounds: on", f"map: {mapped}", f"owners: {mapped}", "liveness: on", "history: on",
                       f"reads: {mapped}", f"ownids: {mapped}", f"positions: {mapped}", "finite: off (set SGLANG_OOBGUARD_FINITE=1)",
                       "swa: with liveness, where sglang runs sliding-window models", f"pd: {pd}",
-                      f"hicache: {hicache}"], states
+                      f"hicache: {hicache}", "rows: on", f"leaks: {'on' if has('release_kv_cache') else leaks}"], \
+        states
 
 
 def test_doctor_says_which_checks_the_switch_turned_off_and_help_lists_every_switch():

@@ -206,7 +206,7 @@ def holder_lookups(package: Path = PACKAGE) -> dict[str, set[str]]:
                 and node.attr in OWNER_READS else None
             if isinstance(read, ast.Attribute) and read.attr == "owner" and rank(name) >= LAYERS.index("checks"):
                 found["owner table"].add(name)
-            if isinstance(node, ast.JoinedStr) and any(
+            if isinstance(node, ast.JoinedStr) and rank(name) >= LAYERS.index("checks") and any(
                     isinstance(part, ast.Constant) and str(part.value).endswith("req_to_token row ")
                     and isinstance(after, ast.FormattedValue) for part, after in zip(node.values, node.values[1:])):
                 found["row name"].add(name)

@@ -272,7 +272,7 @@ def test_the_activation_line_says_which_kv_transfer_checks_run_and_from_which_re
         guard("warn", liveness=True)
     line = next(r.getMessage() for r in caplog.records if "sglang_oobguard active" in r.getMessage())
     assert ("pd check on where sglang runs PD disaggregation" in line) == pd, line
-    assert (f"pd check off (this sglang has no DecodePreallocQueue._send_kv_metadata" in line) != pd, line
+    assert ("pd check off (this sglang has no DecodePreallocQueue._send_kv_metadata" in line) != pd, line
     assert f"(sglang {TRANSFER_SINCE}+)" in line or pd
     assert ("hicache check on where sglang runs HiCache" in line) == hicache, line
     assert f"(sglang {HICACHE_SINCE}+)" in line or hicache

@@ -136,9 +136,18 @@ def file_counts(guard: Guard, final: bool = False) -> None:
 
 
 def make_idle_hook(guard: Guard) -> Any:
-    """The wrapt wrapper of sglang's scheduler idle method: the counts filed as it idles."""
+    """The wrapt wrapper of sglang's scheduler idle method: the units' idle work before it (a
+    strict report raises into sglang's loop, as sglang's own failed check does), the counts after."""
 
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        for unit in guard.units.values():  # the units' idle work (the leak sweep), before sglang's own check
+            if unit.idle is not None and unit.name in (guard.config.checks or ()):
+                try:
+                    unit.idle(guard, instance)
+                except KVOutOfBoundsError:
+                    raise
+                except Exception as exc:
+                    guard.internal_error(f"{unit.name} at idle", exc)
         result = wrapped(*args, **kwargs)
         file_counts(guard)
         return result

@@ -84,6 +84,13 @@ def owner_rows(live: Live, ids: np.ndarray) -> np.ndarray:
     return np.where(looked.inside, owner - 1, -1)
 
 
+def page_owner_rows(live: Live, pages: np.ndarray) -> np.ndarray:
+    """The owner table's row of each page (at idle: a copy to the host); -1: none, or no table."""
+    if live.owner is None:
+        return np.full(pages.size, -1, dtype=np.int64)
+    return live.owner[:live.pages].cpu().numpy()[pages].astype(np.int64) - 1
+
+
 def _row_name(row: int) -> str:
     """A holder no step's batch names: its req_to_token row."""
     return f"req_to_token row {row}"

@@ -7,7 +7,8 @@ in `model.switches`. The instrumentor hands these to the guard, which imports no
 
 from __future__ import annotations
 
-from . import hicache, history, liveness, owners, ownids, positions, reads, stepcheck, swa, transfer, values, writes
+from . import (hicache, history, leaks, liveness, owners, ownids, positions, reads, rows, stepcheck, swa, transfer, values,
+               writes)
 from .unit import Unit
 
 UNITS: tuple[Unit, ...] = (
@@ -23,5 +24,7 @@ UNITS: tuple[Unit, ...] = (
     swa.UNIT,
     transfer.UNIT,  # pd
     hicache.UNIT,
+    rows.UNIT,
+    leaks.UNIT,
 )
 

@@ -55,6 +55,8 @@ class Unit:
     doctor: Callable[[Found], list[str]] = no_lines  # its lines under its doctor line
     # (pool pages, req_to_token rows, context) -> the bytes it keeps on the pool's device, made with the pools
     memory: Optional[Callable[[int, int, int], int]] = None
+    idle: Optional[Callable[[Any, Any], None]] = None  # (guard, sglang's scheduler): as the scheduler idles, before
+    # sglang's own idle check (while the check is on)
 
 
 def defines(module: str, owner: str, method: str) -> Optional[bool]:

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Mapping
 # Each is a unit of `checks/` (`checks.registry` lists them, with what each catches), which this table names
 # only: sglang's processes read the switch before torch, where no unit may load.
 NAMES = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "positions", "finite", "swa", "pd",
-         "hicache")
+         "hicache", "rows", "leaks")
 
 # What each check reads that another keeps: the read check reads the owner table and each
 # slot's generation (history); ids of a layer's own are compared with the ids the map passed; a token's
@@ -30,6 +30,8 @@ NEEDS = {
     "ownids": ("map",),
     "positions": ("map",),
     "pd": ("liveness",),
+    "rows": ("liveness",),
+    "leaks": ("liveness",),
 }
 
 # The guard on, nothing else asked for. The SWA door's slot check and HiCache's copies run
@@ -37,7 +39,7 @@ NEEDS = {
 # check runs wherever the write map does.
 DEFAULT = frozenset({"bounds", "map", "ownids", "positions", "swa", "hicache"})
 ALIASES = {  # the older variables, each a set of checks turned on
-    "liveness": frozenset({"liveness", "history", "owners", "reads", "swa", "pd", "hicache"}),
+    "liveness": frozenset({"liveness", "history", "owners", "reads", "swa", "pd", "hicache", "rows", "leaks"}),
     "finite": frozenset({"finite"}),
 }
 ALWAYS = "bounds"

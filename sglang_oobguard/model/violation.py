@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from . import leaktext, steptext
+
 
 class Kind(enum.IntEnum):
     """What was wrong with the first bad id of a record (its `kind` field)."""
@@ -39,6 +41,10 @@ class Kind(enum.IntEnum):
     HELD = 17  # a HiCache host -> device load into a slot another running request holds (`hiloads`)
     POSITION = 18  # a token's positions[i] is not its position in its request (its K rotated there: `positions`)
     TOKEN = 19  # a token's input_ids[i] is not its request's token at its position (`positions`)
+    ROW_DOUBLE_FREE = 20  # a req_to_token row freed while not handed out, or by a request that does not hold it (`rows`)
+    ROW_REUSED = 21  # a row handed to a request while a running request still has it (`rows`)
+    DOUBLE_RELEASE = 22  # a request's KV released a second time (`leaks`)
+    LEAK = 23  # at idle: slots handed out that no request, tree node or transfer holds (`leaks`)
 
 
 READ_KINDS = ("read_freed", "read_reused", "repointed")  # the read check's kinds, by name
@@ -47,12 +53,14 @@ CHECK_OF = {"bounds": "bounds", "freed": "liveness", "double_free": "liveness", 
             "duplicate": "map", "shared_row": "map", "owned": "owners", "handed_out": "liveness", "unmapped": "swa",
             "peer_mapped": "swa", "swa_other": "swa", "in_flight": "pd", "read_freed": "reads", "read_reused": "reads",
             "repointed": "reads", "not_step": "ownids", "nonfinite": "finite", "held": "hicache",
-            "position": "positions", "token": "positions"}
+            "position": "positions", "token": "positions", "row_double_free": "rows", "row_reused": "rows",
+            "double_release": "leaks", "leak": "leaks"}
+ROW_KINDS = ("row_double_free", "row_reused", "double_release")  # their `value` is a req_to_token row
 ELEMENTS = ("nan", "+inf", "-inf")  # a non-finite value, as a record numbers it
 SAID = {"handed_out": "reported only (the allocator's hand-out goes on)",  # what warn did about a kind, in words
         "nonfinite": "non-finite KV values, written unchanged (the guard reports, it does not repair data)",
         **{kind: f"reported only (the slot is right, the {kind} is not: the step runs on uncontained)"
-           for kind in ("position", "token")}}
+           for kind in ("position", "token")}, **leaktext.CONTAINED}
 
 
 # Site ids: a probe record stores an int, the report shows the label it stands for.
@@ -183,13 +191,14 @@ class Violation:
     def history(self) -> str:
         """The slot's last free and allocation, when liveness tracked them."""
         parts = []
+        unit, given = ("row", "handed out") if self.kind in ROW_KINDS else ("slot", "allocated")
         if self.freed_step >= 0 or self.freed_by:
             parts.append(f"freed {_at_step(self.freed_step)} by {self.freed_by or 'an unknown call'}")
         if self.allocated_step >= 0 or self.allocated_by:
-            parts.append(f"allocated {_at_step(self.allocated_step)} by {self.allocated_by or 'an unknown call'}")
-        if not parts:
+            parts.append(f"{given} {_at_step(self.allocated_step)} by {self.allocated_by or 'an unknown call'}")
+        if not parts or self.kind == "double_release":  # its first release is in its text
             return ""
-        return f"slot {self.value} last " + ", last ".join(parts) + (
+        return f"{unit} {self.value} last " + ", last ".join(parts) + (
             f" (generation {self.generation})" if self.generation >= 0 else "")
 
     def context(self) -> str:
@@ -250,27 +259,6 @@ def _nonfinite(v: Violation) -> str:
     return f"{where} is {v.element}, not finite ({v.bad} non-finite values written)"
 
 
-def _position(v: Violation) -> str:
-    """A token rotated at the wrong position (`value`), or fed the wrong token, and what it should be."""
-    more = f" ({v.bad} of {v.numel} tokens)" if v.bad > 1 else ""
-    if v.kind == "token":
-        return f"input_ids[{v.pos}] = {v.value} is not its request's token at position {v.token} ({v.expected}){more}"
-    own = f"in [{v.lowest}, {v.expected}] (its depth in the draft tree)" if v.lowest >= 0 else f"{v.expected}"
-    return (f"positions[{v.pos}] = {v.value} is not this token's position {own}"
-            f"{'' if v.draft_step is None else f' at draft step {v.draft_step}'}: its K is rotated there{more}")
-
-
-def _read(self: Violation) -> str:  # a Violation's text, kept out of its class
-    """The read check's finding: `pos` is the position read, `value` its slot."""
-    at = f"slot {self.value} at position {self.pos}"
-    if self.kind == "read_freed":
-        return f"{at} is read by its running request but was given back (freed)"
-    if self.kind == "read_reused":
-        return (f"{at} is read by its running request but was given back and handed out again "
-                f"(generation {self.read_generation} -> {self.generation})")
-    return f"{at} was read before as another slot: the running request's entry was repointed"
-
-
 def _claims(v: Violation) -> str:
     """Both requests of a bad free or hand-out (`claimed`), or what is not known of them."""
     if not v.claimed:
@@ -294,7 +282,9 @@ def _what(v: Violation) -> str:
                 f"{_at_step(v.sent_step)})"
                 + (f" ({v.bad} of {v.numel} freed pages in flight)" if v.bad > 1 else ""))
     if v.kind in ("nonfinite", "position", "token"):  # no slot id: a value, a position, a token
-        return (_nonfinite if v.kind == "nonfinite" else _position)(v)
+        return (_nonfinite if v.kind == "nonfinite" else steptext.position)(v)
+    if v.kind in leaktext.CONTAINED:
+        return leaktext.what(v)
     name = v.freed or "loc"
     at = f"{name}[{v.pos}] = {v.value}"
     more = f" ({v.bad} of {v.numel} ids bad)" if v.bad > 1 else ""
@@ -323,7 +313,7 @@ def _what(v: Violation) -> str:
     if v.kind == "shared_row":
         return f"{at}: its request shares its req_to_token row with another of this forward step{held}{more}"
     if v.kind in READ_KINDS:
-        return _read(v) + held + more
+        return steptext.read(v) + held + more
     if v.kind == "held":
         what = f"tree node {v.node}" + (f" (request {v.request})" if v.request else "") if v.node is not None \
             else f"request {v.request}"

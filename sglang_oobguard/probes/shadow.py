@@ -35,6 +35,12 @@ _FLAGS, _OWNER, _HISTORY = 0, 1, 2  # the tables of Live.memory: flags, owner, t
 _serials = itertools.count(1)  # generations: one serial per allocator call, over all pools
 
 
+def serial() -> int:
+    """The next serial: a request row's hand-out takes one too (`checks.rows`), so a row's holder
+    at the time a page was handed out can be told by the page's generation."""
+    return next(_serials)
+
+
 class Live(NamedTuple):
     """A pool's liveness shadow: flags[id // page] != 0 while that page is handed out.
     Each table has one more entry than pages: the sink, where an update of an id

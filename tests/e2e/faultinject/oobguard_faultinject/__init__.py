@@ -44,7 +44,8 @@ accepted tokens' KV) and, on the chosen one, frees `tgt_loc[token]` first
 wrapper goes on at the first forward, outside the guard's.
 
 `site=swa` (sliding-window models) and `OOBGUARD_SWA_READS=1`, the test-only patch of
-torch_native's SWA reads: see `oobguard_faultinject.swa`.
+torch_native's SWA reads: see `oobguard_faultinject.swa`. `site=leak` (a release run twice, a
+release that frees nothing, a row freed under its request): see `oobguard_faultinject.leaks`.
 
 `OOBGUARD_COUNT=DIR`: at each counted call, each process writes DIR/<pid>.json with
 its tensor-parallel rank and the calls so far of `MHATokenToKVPool.set_kv_buffer`
@@ -62,7 +63,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import positions, swa
+from . import leaks, positions, swa
 
 _count = 0
 _moves = 0
@@ -343,6 +344,9 @@ def load() -> None:
         return
 
     wrapt.register_post_import_hook(_patch_runner, "sglang.srt.model_executor.model_runner")
+    if _spec().get("site") == "leak":
+        wrapt.register_post_import_hook(leaks.patch_release, leaks.MODULE)
+        wrapt.register_post_import_hook(leaks.patch_rows, "sglang.srt.mem_cache.memory_pool")
     wrapt.register_post_import_hook(_patch_pool, "sglang.srt.mem_cache.memory_pool")
     wrapt.register_post_import_hook(_patch_allocator, "sglang.srt.mem_cache.allocator.token")
     if _spec().get("value") == "nan":
