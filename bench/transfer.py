@@ -97,7 +97,7 @@ def load_rows(quick: bool) -> list[dict]:
                 sglang_oobguard.install("strict")
             if name == "holder":
                 assert instrument._active is not None
-                instrument._active.guard.loads.now = Loading()  # a load-back's, as start_loading's hook sets it
+                instrument._active.guard.held["hicache"].now = Loading()  # a load-back's, as start_loading's hook sets it
             pool = MHATokenToKVPool(2 * tokens, 1, torch.bfloat16, 8, 128, 1, "cpu", False)
             slots = TokenToKVPoolAllocator(2 * tokens, torch.bfloat16, "cpu", pool, False).alloc(tokens)
             host = MHATokenToKVPoolHost(pool._mha_buffer_info(), 2.0, 0, 1, "layer_first", pin_memory=False,
@@ -107,7 +107,7 @@ def load_rows(quick: bool) -> list[dict]:
         def load(name: str) -> None:
             host, pool, host_ids, slots = loads[name]
             if name == "holder":  # each call a new load-back's first layer: checked, not served by the memo
-                instrument._active.guard.loads.now.done.clear()
+                instrument._active.guard.held["hicache"].now.done.clear()
             host.load_to_device_per_layer(pool, host_ids, slots, 0, "direct")
 
         calls, rounds = (3, 2) if quick else (50, 15)
