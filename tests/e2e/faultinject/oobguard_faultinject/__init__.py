@@ -63,7 +63,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import leaks, positions, swa
+from . import leaks, outermost, positions, swa
 
 _count = 0
 _moves = 0
@@ -276,19 +276,8 @@ def _move(wrapped, instance, args, kwargs):
 
 
 def _patch_runner(module) -> None:
-    """Wrap ModelRunner.forward so that the fault reaches the forward batch before the
-    guard's forward-step hook sees it, as a bug upstream of the forward would: the
-    first call (the guard's hook is on by then) puts `_forward` outermost."""
-    import wrapt
-
-    def first(wrapped, instance, args, kwargs):
-        if not _outer:
-            _outer.append(True)
-            wrapt.wrap_function_wrapper(module, "ModelRunner.forward", _forward)
-            return _forward(wrapped, instance, args, kwargs)
-        return wrapped(*args, **kwargs)
-
-    wrapt.wrap_function_wrapper(module, "ModelRunner.forward", first)
+    """ModelRunner.forward with the fault's wrapper outermost (`outermost`)."""
+    outermost.wrap_forward(module, _forward, _outer)
 
 
 def _patch_pool(module) -> None:

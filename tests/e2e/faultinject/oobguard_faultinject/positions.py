@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import sys
 
+from . import outermost
+
 _seen = {"decode": 0, "extend": 0}  # the target's forwards so far, by mode
 _draft = {"batch": None, "step": -1}  # the draft loop's batch (by id, while it runs) and its step
 _done: set[str] = set()
@@ -116,15 +118,5 @@ def patch_batch(module) -> None:
 
 
 def patch_runner(module) -> None:
-    """ModelRunner.forward, wrapped at its first call over the guard's hook (as a bug upstream
-    of the forward would hand the batch on)."""
-    import wrapt
-
-    def first(wrapped, instance, args, kwargs):
-        if not _outer:
-            _outer.append(True)
-            wrapt.wrap_function_wrapper(module, "ModelRunner.forward", _forward)
-            return _forward(wrapped, instance, args, kwargs)
-        return wrapped(*args, **kwargs)
-
-    wrapt.wrap_function_wrapper(module, "ModelRunner.forward", first)
+    """ModelRunner.forward with the fault's wrapper outermost (`outermost`)."""
+    outermost.wrap_forward(module, _forward, _outer)
