@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                f"contexts={','.join(map(str, contexts))}", *(("cuda",) if args.device == "cuda" else ()))
     sizes = tuple({"batch": b, "context": c} for b, c in points)
     rounds: dict = {}
-    t0 = time.monotonic()
+    t0, load = time.monotonic(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="oobguard-bench-checks-") as folder:
         model = build_tiny_llama(Path(folder) / "model", layers=args.layers,
                                  positions=contexts[-1] + args.new_tokens + 64)
@@ -79,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
                for got, base in zip(rounds[name], rounds[columns[0][0]]))
     print(f"sglang-oobguard cost per check: bench/engine.py --per-check --grid {args.grid}, tiny Llama {args.layers} "
           f"layers, {args.new_tokens} new tokens greedy per round, {args.rounds} rounds interleaved, shared-prefix "
-          f"prompts of the context's length in the radix cache; {wall:.0f} s in all")
+          f"prompts of the context's length in the radix cache; {wall:.0f} s in all, load average {load:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after (2 cores here: above 2, other work takes turns with the guard's code, and "
+          "the own time, a wall clock, counts those turns)")
     print()
     print(table(columns, cells, points))
     print()
