@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"sglang-oobguard cost per check: bench/engine.py --per-check --grid {args.grid}, tiny Llama {args.layers} "
           f"layers, {args.new_tokens} new tokens greedy per round, {args.rounds} rounds interleaved, shared-prefix "
           f"prompts of the context's length in the radix cache; {wall:.0f} s in all, load average {load:.1f} before, "
-          f"{os.getloadavg()[0]:.1f} after (2 cores here: above 2, other work takes turns with the guard's code, and "
-          "the own time, a wall clock, counts those turns)")
+          f"{os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores: above that, other work takes turns with the "
+          "guard's code, and the own time, a wall clock, counts those turns)")
     print()
     print(table(columns, cells, points))
     print()
