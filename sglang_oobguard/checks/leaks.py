@@ -52,6 +52,7 @@ SWEEP_LABEL = "idle sweep (slots no request, tree node or transfer holds)"
 MARK = "_oobguard_release"  # on our wrapper: a module that bound the wrapped function already is left alone
 _SWEEP, _RELEASE = site_id(SWEEP_LABEL), site_id(RELEASE_LABEL)
 _ALLOCS, _FREES = slot("liveness", "allocs"), slot("liveness", "frees")  # the allocators' work: swept after new work
+_HOME = type(RELEASE_HOME.rsplit(".", 1)[1], (), {})  # a call site's label: "common.release_kv_cache"
 GROUPS = 8  # leaking requests reported per sweep (the rest are counted in each report's total)
 
 
@@ -93,7 +94,8 @@ def released(guard: Guard, req: Any, row: Any) -> None:
     if row is not None and row_of(req) is None:  # (a streaming session may keep the row: also a release)
         guard.counts.add("leaks", "releases")
         try:
-            guard.held["leaks"].released[req] = (int(row), callsite.pack(guard.steps.number, callsite.here(RELEASE)))
+            event = callsite.pack(guard.steps.number, callsite.here(_HOME, RELEASE))
+            guard.held["leaks"].released[req] = (int(row), event)
         except TypeError:  # a request that cannot be a weak key: not followed
             pass
 

@@ -57,6 +57,7 @@ class Book:
     """One pool's rows: live flags, each row's holder (weakly), its last hand-out and free."""
 
     def __init__(self, guard: Guard, pool: Any) -> None:
+        self.cls = type(pool)  # the call sites' label
         table = getattr(pool, "req_to_token", None)
         self.size = int(table.shape[0]) if isinstance(table, torch.Tensor) else int(pool.size) + 1
         self.live = bytearray([1]) * self.size  # a row not on the free list now: handed out (or padding row 0)
@@ -99,8 +100,9 @@ def book_of(guard: Guard, pool: Any) -> Book:
     return book
 
 
-def _event(guard: Guard, label: str) -> int:
-    return callsite.pack(guard.steps.number, callsite.here(label))
+def _event(guard: Guard, book: "Book", method: str) -> int:
+    """A hand-out's or free's history entry: the step and the call site (`model.callsite`)."""
+    return callsite.pack(guard.steps.number, callsite.here(book.cls, method))
 
 
 def _history(book: Book, row: int) -> dict[str, Any]:
@@ -120,7 +122,7 @@ def hand_out(guard: Guard, book: Book, given: list[tuple[Any, int]]) -> None:
     """Rows just handed out, each with the request it went to (None: a row without one):
     one a running request still has is reported, then each is the new holder's."""
     guard.counts.add("rows", "allocs")
-    event = _event(guard, f"{ROWS_CLASS}.alloc")
+    event = _event(guard, book, "alloc")
     rows = [row for _, row in given]
     for pos, (req, row) in enumerate(given):
         if not 0 <= row < book.size:
@@ -142,7 +144,7 @@ def free(guard: Guard, book: Book, rows: list[int], req: Any = None) -> list[int
     Reports the first row that is not handed out, or that another running request holds;
     returns the rows to give back: all of them, or in warn mode only the good ones."""
     guard.counts.add("rows", "frees")
-    event = _event(guard, f"{ROWS_CLASS}.free")
+    event = _event(guard, book, "free")
     good, reported = [], False
     for pos, row in enumerate(rows):
         if not 0 <= row < book.size:
