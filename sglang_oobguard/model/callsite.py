@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 from types import CodeType
-from typing import Optional, Union
+from typing import Optional
 
 DEPTH = 4  # frames kept above the allocator call
 # the guard's layers (not its doors: the demo's frames are a caller's) and wrapt
@@ -40,10 +40,10 @@ _lock = threading.Lock()
 _getframe = sys._getframe
 
 
-def here(owner: Union[type, str], method: str = "", skip: int = 1) -> int:
-    """The site of the call in progress: the allocator method (`owner`'s `method`; or a
-    label, `owner` a str) and the DEPTH frames above the caller `skip` frames up, the
-    guard's and wrapt's own frames skipped."""
+def here(owner: type, method: str, skip: int = 1) -> int:
+    """The site of the call in progress: the allocator method (`owner`'s `method`) and
+    the DEPTH frames above the caller `skip` frames up, the guard's and wrapt's own
+    frames skipped."""
     frame = _getframe(skip + 1)
     key: list = [owner, method]
     append, caller, left = key.append, _CALLER, DEPTH
@@ -74,7 +74,7 @@ def _classify(code: CodeType) -> bool:
 
 def _intern(hot: tuple) -> int:
     """The site of a key the hot path has not seen: one per label, code objects and lines."""
-    label = hot[0] if isinstance(hot[0], str) else f"{hot[0].__name__}.{hot[1]}"
+    label = f"{hot[0].__name__}.{hot[1]}"
     frames = tuple((_CODES[hot[i]], line_of(_CODES[hot[i]], hot[i + 1])) for i in range(2, len(hot), 2))
     lines = (label, *(part for code, line in frames for part in (id(code), line)))
     with _lock:
