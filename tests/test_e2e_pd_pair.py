@@ -44,7 +44,7 @@ def test_a_prefill_decode_pair_over_mooncake_is_clean_and_unchanged_under_every_
     assert all(len(tokens) == 16 for tokens in run.result["decode"]), run.result
     assert [tokens[:4] for tokens in run.result["decode"]] == [tokens[:4] for tokens in clean], run.log[-4000:]
     assert [tokens[:1] for tokens in run.result["prefill"]] == [tokens[:1] for tokens in clean]
-    assert run.log.count("sglang_oobguard active") >= 2 and "PD transfer check on" in run.log
+    assert run.log.count("sglang_oobguard active") >= 2 and "pd check on where sglang runs PD disaggregation" in run.log
     assert "KVOutOfBoundsError" not in run.log and "bad KV slot ids" not in run.log
     assert run.returncode == 0 and not run.leftovers
     counted(folder, (*CORE, "pd"), "PD pair")
