@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, set-up included, on each release of the matrix: the full suite
-# on sglang 0.5.23, then the guard's unit and loader tests (no engine, no benchmarks,
-# no GPU-check dry run) on each older release in ci/matrix. Arguments go to every
-# pytest run.
+# on sglang 0.5.23, then on each older release in ci/matrix the guard's unit and loader
+# tests (no benchmarks, no GPU-check dry run) and the engine with every check on
+# (tests/test_e2e_releases.py). Arguments go to every pytest run (and leave out the
+# older releases' engine run).
 # OOBGUARD_MATRIX="0.5.23" runs one cell.
 #
 # Two at a time: the runs are jobs, taken in order by two workers (xargs -P), each job
@@ -30,12 +31,14 @@ run_job() {  # run_job VERSION MARKERS [pytest args]: set-up, then pytest
   venv="$(flock "$OOBGUARD_JOBS_DIR/.setup.lock" bash ci/setup-env.sh "$version")" || return
   echo "=== sglang $version ($venv)${markers:+ -m \"$markers\"}"
   if [[ "$version" == 0.5.23 ]]; then
-    "$venv/bin/python" -m pytest ${markers:+-m "$markers"} "$@"
+    "$venv/bin/python" -m pytest --durations=12 ${markers:+-m "$markers"} "$@"
   else  # older releases import sgl_kernel (0.4.x also vllm) on the CPU write path: test-only stand-ins
     standins="$root/tests/standins"
     [[ "$version" == 0.4.* ]] && standins="$standins:$root/tests/standins/releases-0.4"
     PYTHONPATH="$standins${PYTHONPATH:+:$PYTHONPATH}" \
-      "$venv/bin/python" -m pytest -m "${markers:-not e2e and not bench}" "$@"
+      "$venv/bin/python" -m pytest -m "${markers:-not e2e and not bench}" "$@" || return
+    # and the engine on this release, every check on (issue #43), where no argument narrowed the run
+    (($#)) || PYTHONPATH="$standins${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -m e2e tests/test_e2e_releases.py
   fi
 }
 

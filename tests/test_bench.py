@@ -93,11 +93,11 @@ def test_engine_benchmark_per_check_prints_its_table_and_the_targets_line():
     out = run("bench/engine.py", "--per-check", "--grid", "smoke", "--columns", "bounds,strict", "--rounds", "1",
               "--new-tokens", "4", "--layers", "2")
     assert "| batch | context | forward step | bounds | strict (+ ownids) |" in out, out
-    for context in (64, 128):  # strict's cell adds to the map column, which did not run: no difference shown
+    for context in (64, 128):  # strict's cell adds to the positions column, which did not run: no difference shown
         assert re.search(rf"^\| 8 \| {context} \| [\d.]+ ms \| [\d.]+ us \([\d.]+%\) \| [\d.]+ us \([\d.]+%\) \|$",
                          out, re.M), out
-    line = next(line for line in out.splitlines() if line.startswith("targets (issue 46"))
-    assert line.count("not measured") == 4, line  # strict + liveness, its context, strict + finite, everything
+    line = next(line for line in out.splitlines() if line.startswith("targets (issues 45 and 46"))
+    assert line.count("not measured") == 5, line  # positions, strict + liveness, its context, strict + finite, everything
     assert "flat in context: not measured" in line, line
     assert "tokens: every column produced the bounds column's tokens at every grid point in every round" in out
 

@@ -69,7 +69,7 @@ def test_counts_are_filed_when_the_scheduler_idles_and_at_exit(tmp_path):
         done = run_python(ENGINE_LIKE.format(ids=[5, 6], killed=killed),
                           {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_REPORT_DIR": str(folder)})
         assert done.returncode == 0, done.stderr[-3000:]
-        assert "IDLE Scheduler on_idle" in done.stdout
+        assert done.stdout.startswith("IDLE "), done.stdout  # the hook ran, on whichever class defines the idle
         (path,) = folder.iterdir()
         filed = [json.loads(line) for line in path.read_text().splitlines() if '"counts"' in line]
         assert [record["final"] for record in filed] == ([False] if killed else [False, True]), filed

@@ -245,9 +245,12 @@ def test_doctor_lists_every_check_with_its_state():
     end = next(i for i, line in enumerate(lines) if i > start and not line.startswith("  "))
     states = [line.split(" - ")[0].strip() for line in lines[start + 1:end] if not line.startswith("    ")]
     mapped = "on" if SGLANG == "0.5.23" else f"off ({write_map_off()})"
+    decode = "sglang.srt.disaggregation.decode"
     pd = "with liveness, where sglang runs PD disaggregation" if has("DecodePreallocQueue._send_kv_metadata") else \
         "off (this sglang has no DecodePreallocQueue._send_kv_metadata or SchedulerDisaggregationPrefillMixin." \
-        "_send_kv_chunk (sglang 0.5.21+))"
+        "_send_kv_chunk (sglang 0.5.21+))" if run_python(f"import {decode}", {}).returncode == 0 else \
+        f"unknown here ({decode} is not importable here"  # (0.4.x under torch 2.14, unshimmed): the rest is the error
+    states = [f"pd: {pd}" if pd.startswith("unknown") and state.startswith(f"pd: {pd} (") else state for state in states]
     leaks = "off (this sglang has no release_kv_cache (sglang 0.5.10+))"
     hicache = "with liveness, where sglang runs HiCache" if has("MHATokenToKVPoolHost.load_to_device_per_layer") else \
         "off (this sglang has no MHATokenToKVPoolHost.load_to_device_per_layer or MLATokenToKVPoolHost." \

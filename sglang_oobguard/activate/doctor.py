@@ -49,8 +49,9 @@ def _check_lines(settings: config.Config) -> list[str]:
     lines = ["checks (each counts its work: the report folder's counts records, `report DIR`, the exit line; "
              f"{config.CHECKS_VAR} turns each on or off: `python -m sglang_oobguard help`):"]
     for unit in UNITS:
-        for module in unit.modules:
-            _found(module, "", "")  # imported, so that `where` reads the classes
+        # imported, so that `where` reads the classes; one that does not import here cannot say
+        unread = [f"{module} is {found}" for module in unit.modules for found in [_found(module, "", "")]
+                  if found.startswith("not importable")]
         why = unit.where()
         if unit.name in settings.switched_off:
             state = f"off ({config.CHECKS_VAR})"
@@ -58,6 +59,8 @@ def _check_lines(settings: config.Config) -> list[str]:
             state = f"off (set {config.FINITE_VAR if unit.name == 'finite' else config.LIVENESS_VAR}=1)"
         elif why is not None:
             state = f"off ({why})"
+        elif unread:
+            state = f"unknown here ({unread[0]})"
         elif unit.feature is not None:
             state = f"{'with liveness, ' if settings.liveness else ''}where sglang runs {unit.feature}"
         else:
