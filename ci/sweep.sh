@@ -9,7 +9,8 @@
 #     stand-ins on PYTHONPATH (sgl_kernel has no CPU build);
 #   - `python -m sglang_oobguard doctor`: its rc and its guarded / not-guarded counts;
 #   - the guard's tests as ci/test.sh runs its older cells (-m "not e2e and not bench",
-#     stand-ins on PYTHONPATH);
+#     stand-ins on PYTHONPATH), then the engine as they run it (tests/test_e2e_releases.py:
+#     a double free reported, and a clean run with every check on: which checks counted work);
 # and writes the release's row into docs/releases.md (write_row below). The next
 # release's venv is built while the current one's tests run. Everything runs under
 # nice -n 19. Logs: $OOBGUARD_SWEEP_LOGS (default /tmp/oobguard-sweep).
@@ -61,6 +62,8 @@ row() {  # VERSION: test it in its venv and write its row
     PYTHONPATH="$standins" nice -n 19 "$venv/bin/python" -m pytest -m "not e2e and not bench" -q -rfE \
       -p no:cacheprovider > "$logs/$version.tests.log" 2>&1
     tests_rc=$?
+    PYTHONPATH="$standins" nice -n 19 "$venv/bin/python" -m pytest -m e2e tests/test_e2e_releases.py -q -rA -s \
+      -p no:cacheprovider > "$logs/$version.engine.log" 2>&1
   fi
   echo "$import_alone $import_standins $doctor_rc $tests_rc" > "$logs/$version.rcs"
   write_row "$version" "$import_alone" "$import_standins" "$doctor_rc" "$tests_rc"
@@ -84,12 +87,17 @@ sglang.srt.mem_cache.memory_pool` alone, and with the test-only stand-ins (`test
 `sgl_kernel` has no CPU build) where alone fails. *doctor*: `python -m sglang_oobguard doctor`
 with the stand-ins on PYTHONPATH, its rc (and alone where that differs) and its method counts.
 *tests*: the guard's tests as `ci/test.sh` runs its older cells (`-m "not e2e and not bench"`,
-stand-ins on PYTHONPATH; `OOBGUARD_SWEEP_QUICK=1`: none, the row says so). The engine tests
-run on sglang 0.5.23 only (ci/test.sh). A row is the test suite of the day in its *swept* column.
+stand-ins on PYTHONPATH; `OOBGUARD_SWEEP_QUICK=1`: none, the row says so). *engine*: the CPU
+engine as `ci/test.sh` runs it on its older cells (`tests/test_e2e_releases.py`, the guard
+installed as a user installs it): a double free reported, and a clean run with every check on
+that names the checks that counted work and those that did not run, with why (on the release
+whose cell runs the clean matrix, that matrix instead). A row is the test suite of the day in
+its *swept* column; rows swept before the engine column say so.
 
-| release | memory_pool import | doctor rc | guarded methods | not guarded methods | tests passed / failed / skipped | first failure or upstream cause | swept |
-|---|---|---|---|---|---|---|---|
+| release | memory_pool import | doctor rc | guarded methods | not guarded methods | tests passed / failed / skipped | first failure or upstream cause | engine (every check on) | swept |
+|---|---|---|---|---|---|---|---|---|
 """
+BEFORE_ENGINE = "not swept with the engine (swept before the column)"
 
 
 def key(v):
@@ -108,11 +116,24 @@ def cell(text):
     return text.replace("|", "/").replace("\n", " ")
 
 
+def engine_cell(version, tests_rc):
+    """What tests/test_e2e_releases.py showed: its outcomes, the smoke run's ENGINE line, skips' reasons."""
+    log = logs / f"{version}.engine.log"
+    if tests_rc == "quick" or not log.exists():
+        return "not run (quick sweep)" if tests_rc == "quick" else "not run"
+    text = log.read_text(errors="replace")
+    parts = ["double free reported" if re.search(r"^PASSED \S+double_free", text, re.M) else "double free: not shown"]
+    parts += [l.split(" - ", 1)[-1][:160] for l in text.splitlines() if l.startswith(("FAILED ", "ERROR "))]
+    parts += [l.split(": ", 1)[-1] for l in text.splitlines() if l.startswith("ENGINE: ")]
+    parts += ["skipped: " + l.split(": ", 2)[-1][:200] for l in text.splitlines() if l.startswith("SKIPPED ")]
+    return "; ".join(parts)
+
+
 import datetime
 today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
 if rcs == ["setup-failed"]:
     why = last_line(logs / f"{version}.setup.log", r"ERROR|Error|error")
-    fields = [f"not installed: {why}", "", "", "", "", "venv set-up failed (see the import cell)"]
+    fields = [f"not installed: {why}", "", "", "", "", "venv set-up failed (see the import cell)", ""]
 else:
     alone, standins, doctor_rc, tests_rc = rcs
     if alone == "0":
@@ -145,14 +166,17 @@ else:
     first = next((l for l in log.splitlines() if l.startswith(("FAILED ", "ERROR "))), "")
     if not first and tests_rc not in ("0", "5", "quick"):
         first = f"pytest rc {tests_rc}: " + last_line(logs / f"{version}.tests.log")
-    fields = [imported, rc, guarded, not_guarded, tests, cell(first[:300]) or "none"]
+    fields = [imported, rc, guarded, not_guarded, tests, cell(first[:300]) or "none", engine_cell(version, tests_rc)]
 row = "| " + " | ".join([version] + [cell(f) for f in fields] + [today]) + " |"
 
 path = Path(doc)
 text = path.read_text() if path.exists() else HEADER
-head, _, body = text.partition("|---|")
-head += "|---|" + body.split("\n", 1)[0] + "\n"
-rows = {l.split("|")[1].strip(): l for l in body.split("\n", 1)[1].splitlines() if l.startswith("| ")}
+body = text.partition("|---|")[2].split("\n", 1)[1]
+rows = {l.split("|")[1].strip(): l for l in body.splitlines() if l.startswith("| ")}
+for v, old in rows.items():  # a row of the table before the engine column: its cell says so
+    if old.count(" | ") == 7:
+        rows[v] = old.rsplit(" | ", 1)[0] + f" | {BEFORE_ENGINE} | " + old.rsplit(" | ", 1)[1]
+head = HEADER
 rows[version] = row
 path.write_text(head + "\n".join(rows[v] for v in sorted(rows, key=key)) + "\n")
 PY
