@@ -123,7 +123,7 @@ def engine_cell(version, tests_rc):
         return "not run (quick sweep)" if tests_rc == "quick" else "not run"
     text = log.read_text(errors="replace")
     parts = ["double free reported" if re.search(r"^PASSED \S+double_free", text, re.M) else "double free: not shown"]
-    parts += [l.split(" - ", 1)[-1][:160] for l in text.splitlines() if l.startswith(("FAILED ", "ERROR "))]
+    parts += ["failed: " + l.split(" - ", 1)[-1][:160] for l in text.splitlines() if l.startswith(("FAILED ", "ERROR "))]
     parts += [l.split(": ", 1)[-1] for l in text.splitlines() if l.startswith("ENGINE: ")]
     parts += ["skipped: " + l.split(": ", 2)[-1][:200] for l in text.splitlines() if l.startswith("SKIPPED ")]
     return "; ".join(parts)

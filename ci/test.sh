@@ -71,7 +71,8 @@ export OOBGUARD_JOBS_DIR="${OOBGUARD_JOBS_DIR:-$(mktemp -d)}"
 mkdir -p "$OOBGUARD_JOBS_DIR"
 rm -f "$OOBGUARD_JOBS_DIR"/*.result
 began=$(date +%s)
-bash ci/setup-env.sh "${matrix%% *}" > /dev/null  # torch (shared by every venv) and the first venv, before any job
+first="${matrix%% *}"
+bash ci/setup-env.sh "${first%%:*}" > /dev/null  # torch (shared by every venv) and the first venv, before any job
 jobs=()  # VERSION<TAB>MARKERS, longest first
 for entry in $matrix; do  # VERSION, or VERSION:engine (that release's engine tests alone)
   version="${entry%%:*}"

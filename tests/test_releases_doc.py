@@ -40,22 +40,25 @@ def test_one_row_per_release_of_the_sweep_in_release_order():
     table = rows()
     assert list(table) == swept_releases()
     assert len(table) >= 45  # 0.4.10 .. 0.5.23, post releases included
-    matrix = [v for v in (ROOT / "ci" / "matrix").read_text().split() if RELEASE.fullmatch(v)]
+    matrix = [v for entry in (ROOT / "ci" / "matrix").read_text().split() for v in [entry.split(":")[0]]
+              if RELEASE.fullmatch(v)]  # VERSION or VERSION:engine
     assert matrix and set(matrix) <= set(table)
 
 
 def test_each_row_is_not_run_or_complete():
     """A swept row has every cell, and its tests cell reads passed / failed / skipped
-    (or says why none ran, or that a quick sweep ran none); an unswept row says "not run"."""
+    (or says why none ran, or that a quick sweep ran none), its engine cell what the engine
+    showed (or that the row was swept before that column); an unswept row says "not run"."""
     for release, cells in rows().items():
-        assert len(cells) == 7, release
+        assert len(cells) == 8, release
         if cells[0] == "not run":
             continue
-        assert all(cells[i] for i in (0, 6)), release
+        assert all(cells[i] for i in (0, 7)), release
         if not cells[0].startswith("not installed"):
             assert re.fullmatch(r"\d+ / \d+ / \d+|did not run \(rc \d+\)|not run \(quick sweep: .*\)", cells[4]), (
                 release, cells[4])
             assert cells[5], release  # "none" or the first failure
+            assert cells[6], release  # the engine's outcome, "not run", or swept before the column
 
 
 def test_every_release_the_readme_names_has_a_row_and_no_failure_where_swept():
@@ -73,3 +76,4 @@ def test_every_release_the_readme_names_has_a_row_and_no_failure_where_swept():
             continue
         counts = re.fullmatch(r"(\d+) / (\d+) / (\d+)", cells[4])
         assert counts and int(counts.group(2)) == 0, f"sglang {release}: {cells[4]}; {cells[5]}"
+        assert "failed: " not in cells[6], f"sglang {release}'s engine: {cells[6]}"
