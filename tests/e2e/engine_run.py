@@ -54,6 +54,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from importlib.metadata import version
 
 PROMPTS = ["the quick brown fox", "a stale slot id writes", "sglang serves language models", "the radix cache"]
 PREFIXES = [" ".join([sentence] * 3) for sentence in ("the quick brown fox jumps over the lazy dog.",
@@ -153,6 +154,8 @@ def engine_options(model: str, workload: str, extra: list[str]) -> dict:
         else:
             raise SystemExit(f"engine_run.py: unknown option {arg!r}; expected amx, eagle, ngram, tp=N, page=P, "
                              "chunk=N, pool=N, radix=off or overlap=off (serve: batch=B, tokens=N, cuda; random: SEED)")
+    if version("sglang").startswith("0.4."):  # its batch encode calls TokenizerManager._validate_token_len, which
+        options.pop("enable_tokenizer_batch_encode", None)  # 0.4.10.post2 lacks: one prompt at a time there
     return options
 
 
@@ -297,6 +300,17 @@ def hicache(engine) -> dict:
             "runner": runner["output_ids"], "runner_finish": runner["meta_info"].get("finish_reason")}
 
 
+def _main_loop() -> None:
+    """sglang 0.4.x's Engine.generate asks for the main thread's event loop, which its uvloop
+    policy no longer makes on first use (the later releases make their own): one is set here."""
+    import asyncio
+
+    try:
+        asyncio.get_event_loop()
+    except RuntimeError:
+        asyncio.set_event_loop(asyncio.new_event_loop())
+
+
 def main(model: str, workload: str = "batch", *extra: str) -> int:
     import sglang
 
@@ -306,6 +320,7 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
 
         override_platform(has_amx=True).install()  # this process's fact, read when the server args resolve
     engine = sglang.Engine(model_path=model, **options)
+    _main_loop()
     result: dict = {}
     try:
         if workload == "serve":
@@ -320,7 +335,7 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
             result.update(run_random(engine, int(next(arg for arg in extra if arg.isdigit()))))
         else:
             outs = engine.generate(WORKLOADS[workload][0], {"temperature": 0, "max_new_tokens": 16})
-            result["outputs"] = [out.get("output_ids") for out in outs]
+            result["outputs"] = [out.get("output_ids", out["text"]) for out in outs]  # 0.4.x: no output_ids, its text
             result["finish"] = [out["meta_info"].get("finish_reason") for out in outs]
             result["spec_verify_ct"] = sum(out["meta_info"].get("spec_verify_ct") or 0 for out in outs)
     except Exception as exc:  # what the engine reports to its caller

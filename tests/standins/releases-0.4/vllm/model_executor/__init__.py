@@ -1,0 +1,1 @@
+"""TEST-ONLY: a package of the vllm stand-in (see vllm/__init__.py)."""
