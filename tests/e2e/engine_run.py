@@ -335,7 +335,7 @@ def main(model: str, workload: str = "batch", *extra: str) -> int:
             result.update(run_random(engine, int(next(arg for arg in extra if arg.isdigit()))))
         else:
             outs = engine.generate(WORKLOADS[workload][0], {"temperature": 0, "max_new_tokens": 16})
-            result["outputs"] = [out.get("output_ids", out["text"]) for out in outs]  # 0.4.x: no output_ids, its text
+            result["outputs"] = [out["output_ids"] if "output_ids" in out else out["text"] for out in outs]  # 0.4.x: text
             result["finish"] = [out["meta_info"].get("finish_reason") for out in outs]
             result["spec_verify_ct"] = sum(out["meta_info"].get("spec_verify_ct") or 0 for out in outs)
     except Exception as exc:  # what the engine reports to its caller
