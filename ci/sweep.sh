@@ -124,7 +124,7 @@ def engine_cell(version, tests_rc):
     text = log.read_text(errors="replace")
     parts = ["double free reported" if re.search(r"^PASSED \S+double_free", text, re.M) else "double free: not shown"]
     parts += ["failed: " + l.split(" - ", 1)[-1][:160] for l in text.splitlines() if l.startswith(("FAILED ", "ERROR "))]
-    parts += [l.split(": ", 1)[-1] for l in text.splitlines() if l.startswith("ENGINE: ")]
+    parts += re.findall(r"ENGINE: (.*)", text)  # (printed after pytest's progress dot)
     parts += ["skipped: " + l.split(": ", 2)[-1][:200] for l in text.splitlines() if l.startswith("SKIPPED ")]
     return "; ".join(parts)
 

@@ -93,5 +93,9 @@ def test_every_check_that_applies_runs_clean_in_the_engine(model, tmp_path):
     ran = [unit.name for unit in UNITS if any(n for what, n in totals.get(unit.name, {}).items() if what != "reports")]
     why = {unit.name: unit.where() or (f"runs where sglang runs {unit.feature}" if unit.feature else "no work here")
            for unit in UNITS}
-    idle = [f"{name} ({why[name]})" for name in why if name not in ran]
-    print(f"ENGINE: clean, same tokens; counted work: {', '.join(ran)}; not run: {'; '.join(idle) or 'none'}")
+    idle: dict[str, list[str]] = {}  # why -> the checks that did not run for it
+    for name in why:
+        if name not in ran:
+            idle.setdefault(why[name], []).append(name)
+    unrun = "; ".join(", ".join(names) + f" ({reason})" for reason, names in idle.items()) or "none"
+    print(f"ENGINE: clean, same tokens; counted work: {', '.join(ran)}; not run: {unrun}")
