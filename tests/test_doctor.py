@@ -197,7 +197,7 @@ import sys
 
 class _Fail:
     def find_spec(self, name, path=None, target=None):
-        if name == "sglang.srt.mem_cache.memory_pool":
+        if name == "{module}":
             raise {exc}
         return None
 
@@ -205,10 +205,22 @@ sys.meta_path.insert(0, _Fail())
 """
 
 
-def _doctor_with_pools_failing(tmp_path, exc: str) -> subprocess.CompletedProcess:
-    (tmp_path / "sitecustomize.py").write_text(FAILING_POOLS.format(exc=exc))
+def _doctor_with_pools_failing(tmp_path, exc: str, module: str = "sglang.srt.mem_cache.memory_pool",
+                               **env: str) -> subprocess.CompletedProcess:
+    (tmp_path / "sitecustomize.py").write_text(FAILING_POOLS.format(exc=exc, module=module))
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    return run_python(DOCTOR, {"PYTHONPATH": path})
+    return run_python(DOCTOR, {"PYTHONPATH": path, **env})
+
+
+def test_doctor_says_a_check_is_unknown_where_its_modules_do_not_import(tmp_path):
+    """A unit's module that exists but does not import here (0.4.x's PD modules under a newer
+    torch): doctor cannot read whether the check would run, and says so instead of promising it."""
+    decode = "sglang.srt.disaggregation.decode"
+    proc = _doctor_with_pools_failing(tmp_path, 'RuntimeError("no AMX probe")', decode,
+                                      SGLANG_OOBGUARD_MODE="warn", SGLANG_OOBGUARD_LIVENESS="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"  pd: unknown here ({decode} is not importable here (RuntimeError: no AMX probe)) - " in proc.stdout, \
+        proc.stdout
 
 
 def test_doctor_exits_non_zero_in_one_line_when_a_module_the_pools_need_is_missing(tmp_path):
