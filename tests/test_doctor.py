@@ -197,7 +197,7 @@ import sys
 
 class _Fail:
     def find_spec(self, name, path=None, target=None):
-        if name == "{module}":
+        if name in {modules}:
             raise {exc}
         return None
 
@@ -205,22 +205,24 @@ sys.meta_path.insert(0, _Fail())
 """
 
 
-def _doctor_with_pools_failing(tmp_path, exc: str, module: str = "sglang.srt.mem_cache.memory_pool",
+def _doctor_with_pools_failing(tmp_path, exc: str, modules: tuple[str, ...] = ("sglang.srt.mem_cache.memory_pool",),
                                **env: str) -> subprocess.CompletedProcess:
-    (tmp_path / "sitecustomize.py").write_text(FAILING_POOLS.format(exc=exc, module=module))
+    (tmp_path / "sitecustomize.py").write_text(FAILING_POOLS.format(exc=exc, modules=modules))
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     return run_python(DOCTOR, {"PYTHONPATH": path, **env})
 
 
 def test_doctor_says_a_check_is_unknown_where_its_modules_do_not_import(tmp_path):
-    """A unit's module that exists but does not import here (0.4.x's PD modules under a newer
-    torch): doctor cannot read whether the check would run, and says so instead of promising it."""
-    decode = "sglang.srt.disaggregation.decode"
-    proc = _doctor_with_pools_failing(tmp_path, 'RuntimeError("no AMX probe")', decode,
+    """A unit's modules that exist but do not import here (0.4.x's PD modules under a newer torch,
+    before its shim): doctor cannot read whether the check would run, and says so instead of
+    promising it, or of reading an absent method from a class it could not import."""
+    from sglang_oobguard.model.transfertargets import TRANSFER_MODULES
+
+    proc = _doctor_with_pools_failing(tmp_path, 'RuntimeError("no AMX probe")', TRANSFER_MODULES,
                                       SGLANG_OOBGUARD_MODE="warn", SGLANG_OOBGUARD_LIVENESS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"  pd: unknown here ({decode} is not importable here (RuntimeError: no AMX probe)) - " in proc.stdout, \
-        proc.stdout
+    assert f"  pd: unknown here ({TRANSFER_MODULES[0]} is not importable here (RuntimeError: no AMX probe)) - " \
+        in proc.stdout, proc.stdout
 
 
 def test_doctor_exits_non_zero_in_one_line_when_a_module_the_pools_need_is_missing(tmp_path):

@@ -49,11 +49,8 @@ def applicable() -> tuple[str, ...]:
     the map on counted none, 2026-12-07): nothing for it to check, rightly. Each unit's modules are
     imported first, as doctor does: `where` reads sglang's classes (0.5.4's mem_cache.common has no
     release_kv_cache, which only its import shows)."""
-    for module in {module for unit in UNITS for module in unit.modules}:
-        try:
-            importlib.import_module(module)
-        except Exception:  # a module this CPU cannot import: its check stays in, and must count
-            pass
+    for unit in UNITS:
+        unit.unread()  # a module this CPU cannot import: its check stays in, and must count
     return tuple(unit.name for unit in UNITS if unit.name in CORE and unit.name != "ownids" and unit.where() is None)
 
 

@@ -49,9 +49,7 @@ def _check_lines(settings: config.Config) -> list[str]:
     lines = ["checks (each counts its work: the report folder's counts records, `report DIR`, the exit line; "
              f"{config.CHECKS_VAR} turns each on or off: `python -m sglang_oobguard help`):"]
     for unit in UNITS:
-        # imported, so that `where` reads the classes; one that does not import here cannot say
-        unread = [f"{module} is {found}" for module in unit.modules for found in [_found(module, "", "")]
-                  if found.startswith("not importable")]
+        unread = [f"{module} is not importable here ({why})" for module, why in unit.unread().items()]
         why = unit.where()
         if unit.name in settings.switched_off:
             state = f"off ({config.CHECKS_VAR})"

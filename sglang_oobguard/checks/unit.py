@@ -12,6 +12,7 @@ sglang's processes read it before torch imports, where no unit may load.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -57,6 +58,19 @@ class Unit:
     memory: Optional[Callable[[int, int, int], int]] = None
     idle: Optional[Callable[[Any, Any], None]] = None  # (guard, sglang's scheduler): as the scheduler idles, before
     # sglang's own idle check (while the check is on)
+
+    def unread(self) -> dict[str, str]:
+        """Imports this unit's modules, so that `where` can read sglang's classes (doctor, and a
+        test's choice of checks, ask it first); returns those that exist but do not import here,
+        each with why (`where` cannot say whether the check would run)."""
+        failed = {}
+        for module in self.modules:
+            if module_file(module) is not None:
+                try:
+                    importlib.import_module(module)
+                except Exception as exc:  # a module the CPU cannot import: said by the caller, not hidden
+                    failed[module] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        return failed
 
 
 def defines(module: str, owner: str, method: str) -> Optional[bool]:
