@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from e2e.harness import run_engine
+from e2e.harness import run_engine, run_once
 from sglang_oobguard.report import summary
 
 pytestmark = pytest.mark.e2e
@@ -53,7 +53,7 @@ def test_baseline_unguarded_minus_one_is_silent_corruption(model, clean):
 
 @pytest.mark.parametrize("mode,value", [("strict", "high+3"), ("raise", "-1")])
 def test_strict_and_raise_fail_the_engine_with_the_full_report(model, mode, value):
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": mode, "OOBGUARD_FAULT": f"step=3,token=1,value={value}"})
+    run = run_once(model, {"SGLANG_OOBGUARD_MODE": mode, "OOBGUARD_FAULT": f"step=3,token=1,value={value}"})
     assert len(injected(run)) == 1, run.log[-3000:]
     bad = POOL_HIGH + 3 if value == "high+3" else -1
     report = (f"KVOutOfBoundsError: out_cache_loc (forward step): 1 of 4 slot ids outside [0, {POOL_HIGH}): "
@@ -143,7 +143,7 @@ FAULTED = re.compile(r"oobguard_faultinject: step (\d+) token (\d+) of (\d+): ou
 def test_the_report_names_the_request_its_token_the_forward_mode_and_the_step(model, mode):
     """The injector corrupts out_cache_loc at decode step 3 and says whose token it was;
     the guard's report, read from the forward step's layout, names the same."""
-    run = run_engine(model, {"SGLANG_OOBGUARD_MODE": mode, "OOBGUARD_FAULT": "step=3,token=1,value=high+3"})
+    run = run_once(model, {"SGLANG_OOBGUARD_MODE": mode, "OOBGUARD_FAULT": "step=3,token=1,value=high+3"})
     (fault,) = FAULTED.findall(run.log)
     step, token, size, value, forward, rid, index = fault
     assert (step, token, forward) == ("3", "1", "decode")

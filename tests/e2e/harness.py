@@ -188,19 +188,26 @@ class Served:
         return Run(self.proc.returncode, result, self.log, leftovers)
 
 
-_REFERENCES: dict[tuple, Run] = {}
+_RUNS: dict[tuple, Run] = {}
+
+
+def run_once(model: Path, env: dict[str, str], workload: str = "batch", options: tuple[str, ...] = ()) -> Run:
+    """One engine run per test session and (model, environment, workload, options), for tests
+    that only read its log and result: tests that ask the same run share it (an engine start is
+    most of a test's time)."""
+    key = (str(model), workload, tuple(options), tuple(sorted(env.items())))
+    if key not in _RUNS:
+        _RUNS[key] = run_engine(model, env, workload=workload, options=options, timeout=300)
+    return _RUNS[key]
 
 
 def reference_run(model: Path, workload: str, options: tuple[str, ...] = (), env: Optional[dict] = None) -> Run:
     """Guard off, no fault: the run a guarded one must reproduce; made once per test session
     and configuration (the clean matrix and the fault tests share it)."""
-    key = (str(model), workload, tuple(options), tuple(sorted((env or {}).items())))
-    if key not in _REFERENCES:
-        run = run_engine(model, dict(env or {}), workload=workload, options=options, timeout=300)
-        assert run.returncode == 0 and run.result and not run.result.get("error"), run.log[-3000:]
-        assert not run.leftovers
-        _REFERENCES[key] = run
-    return _REFERENCES[key]
+    run = run_once(model, dict(env or {}), workload, options)
+    assert run.returncode == 0 and run.result and not run.result.get("error"), run.log[-3000:]
+    assert not run.leftovers
+    return run
 
 
 def reference_tokens(model: Path, workload: str, options: tuple[str, ...] = ()) -> list[list[int]]:
