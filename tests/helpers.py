@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import runpy
 import subprocess
 import sys
 from importlib.metadata import version
@@ -26,10 +27,9 @@ FP4_POOLS = {"MHA-FP4": "MHATokenToKVPoolFP4", "MLA-FP4": "MLATokenToKVPoolFP4"}
 
 
 def shim_old_sglang() -> None:
-    """sglang 0.4.x (built for torch 2.7) asks torch._C._cpu for this check; torch 2.14.1,
-    the torch of every cell here, moved it to torch.cpu. Same function, old name."""
-    if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
-        torch._C._cpu._is_amx_tile_supported = torch.cpu._is_amx_tile_supported
+    """sglang 0.4.x's torch name (tests/standins/releases-0.4/sitecustomize.py, the one copy),
+    set in this process, which may not have started with that folder on PYTHONPATH."""
+    runpy.run_path(str(ROOT / "tests" / "standins" / "releases-0.4" / "sitecustomize.py"))
 
 
 # The release facts the tests rely on, in one place: fact -> (how to see it on the
