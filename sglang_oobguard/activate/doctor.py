@@ -12,6 +12,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
+from ..checks.unit import import_failure
 from ..model import config
 from ..model.discover import Found, Skipped, allocator_targets, coverage, import_pool_modules
 from ..model.finite import UNSEEN, VALUE_DTYPES, WRITER_VALUES, stored_values
@@ -137,16 +138,15 @@ def run() -> int:
 
 def _found(module: str, owner: str, name: str) -> str:
     """Whether this sglang defines `owner.name` in `module` (imported here, inside quiet()): a
-    line's last words; `owner` empty: the module's own `name`; `name` empty: the module alone."""
+    line's last words; `owner` empty: the module's own `name`."""
     if module_file(module) is None:
         return f"ABSENT (no {module} in this sglang)"
-    try:
-        loaded = importlib.import_module(module)
-    except Exception as exc:  # a module the CPU cannot import: said, not hidden
-        return f"not importable here ({type(exc).__name__}: {str(exc)[:80]})"
+    failure = import_failure(module)
+    if failure is not None:
+        return f"not importable here ({failure})"
+    loaded = sys.modules[module]
     target = getattr(loaded, owner, None) if owner else loaded
-    return f"found in {module}" if target is not None and (not name or name in vars(target)) else \
-        f"ABSENT ({name} not in {module})"
+    return f"found in {module}" if target is not None and name in vars(target) else f"ABSENT ({name} not in {module})"
 
 
 def _outside_pools() -> list[str]:

@@ -63,14 +63,20 @@ class Unit:
         """Imports this unit's modules, so that `where` can read sglang's classes (doctor, and a
         test's choice of checks, ask it first); returns those that exist but do not import here,
         each with why (`where` cannot say whether the check would run)."""
-        failed = {}
-        for module in self.modules:
-            if module_file(module) is not None:
-                try:
-                    importlib.import_module(module)
-                except Exception as exc:  # a module the CPU cannot import: said by the caller, not hidden
-                    failed[module] = f"{type(exc).__name__}: {str(exc)[:80]}"
-        return failed
+        return {module: why for module in self.modules for why in [import_failure(module)] if why is not None}
+
+
+def import_failure(module: str) -> Optional[str]:
+    """Imports `module`; why it does not import here ("Error: message"), or None where it
+    imported or this sglang has no such module. A module the CPU cannot import is said by the
+    caller, not hidden (doctor's lines, its checks' states)."""
+    if module_file(module) is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc)[:80]}"
+    return None
 
 
 def defines(module: str, owner: str, method: str) -> Optional[bool]:
