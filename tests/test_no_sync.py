@@ -23,6 +23,7 @@ from sglang_oobguard.model.targets import write_map_off
 from sglang_oobguard.checks import guard as guard_mod
 from sglang_oobguard.probes import device, hostscan, kernels, pools, record, shadow
 from sglang_oobguard.checks import liveness, reads, stepcheck, swa, values, writes, writers
+from sglang_oobguard.model import writemap
 from sglang_oobguard.probes import readkernel, valuekernel
 from test_stepmap import step_runner
 
@@ -138,6 +139,40 @@ def test_the_read_check_on_the_device_path_issues_no_host_sync(mp, guard, runner
         sglang_oobguard.check()
 
 
+@pytest.mark.skipif(write_map_off() is not None, reason=f"the read check runs where the write map does: {write_map_off()}")
+def test_an_unmeasured_step_is_told_from_attributes_alone(mp, guard, runner, monkeypatch):
+    """An older release's unmeasured forward (a PD decode server's, on sglang 0.5.12's entry) on
+    the kernel path: the map and the read check skip it having read no tensor, its bounds and
+    liveness launch as before: no host read."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import allocator
+    from test_reads import admit, decode
+    from test_writemap import older_release
+
+    older_release(monkeypatch)
+    guard("raise", backend="triton", poll_every=1000, liveness=True)
+    pool = mha(mp, 64)
+    alloc = token_allocator(allocator, pool)
+    run, _ = runner(pool)
+    run.server_args = SimpleNamespace(disaggregation_mode="decode", speculative_algorithm=None)
+    table = run.req_to_token_pool.req_to_token
+    table.zero_()
+    admit(run, alloc, 1, 4)
+    for n in (5, 6):
+        table[1, n - 1] = int(alloc.alloc(1)[0])
+        batch = decode(run, rows=(1,), seq_lens=(n,))
+        batch.req_pool_indices_cpu = batch.req_pool_indices.clone()
+        if n == 6:
+            with OpLog() as log:
+                run.forward(batch)
+        else:
+            run.forward(batch)  # the first step: kernels compiled, the skips said
+    assert not SYNCING & set(log.ops), sorted(SYNCING & set(log.ops))
+    sglang_oobguard.check()
+    assert sglang_oobguard.violations() == []
+
+
 def test_host_scan_is_what_would_sync(mp):
     """The dispatch check can fail: the CPU host path does read values."""
     with OpLog() as log:
@@ -154,7 +189,7 @@ HOT_PATH = [writes.check_write, writes._launch, guard_mod.Guard.launched, guard_
             liveness.counted, stepcheck.step_begin, stepcheck.step_end, guard_mod.Steps.begin,
             swa.make_wrapper, swa.make_mapping_hook, swa.check_door, reads._launch, readkernel.launch,
             values.check_values, values.parts, values.before_write, valuekernel.launch_values, valuekernel.layout,
-            writers.make_writer_wrapper]
+            writers.make_writer_wrapper, writemap.unmeasured, stepcheck._measured]
 FORBIDDEN = {"item", "tolist", "cpu", "numpy", "synchronize", "nonzero"}
 
 

@@ -23,7 +23,7 @@ from sglang_oobguard.model.targets import write_map_off
 from sglang_oobguard.probes import hostmap, hostpos
 from sglang_oobguard.probes.record import Kind
 from test_stepmap import decode, step_runner
-from test_writemap import HIGH, forward_batch, make_case, model_runner, req_pool
+from test_writemap import HIGH, forward_batch, make_case, model_runner, req_pool, speculative
 
 pytestmark = pytest.mark.skipif(write_map_off() is not None, reason=str(write_map_off()))
 
@@ -52,7 +52,8 @@ def case(rng: random.Random, family: str):
     return batch, runner, rule
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(family, marks=speculative) if family in ("verify", "tree", "draft")
+                                    else family for family in FAMILIES])
 def test_kernel_and_host_find_the_same_token_at_a_wrong_position(family):
     rng = random.Random(f"positions-{family}")
     for n in range(24):
@@ -90,6 +91,7 @@ def run_both_rule(rule):
     return None, None, record, clean
 
 
+@speculative
 def test_a_slot_report_wins_the_record_and_a_tree_root_must_be_exact():
     rng = random.Random("both")
     batch, runner, rule = case(rng, "tree")
@@ -100,6 +102,7 @@ def test_a_slot_report_wins_the_record_and_a_tree_root_must_be_exact():
     assert record.kind == Kind.BOUNDS and record.bad == 1 and record.total_bad == 2 and int(clean[1]) == 0
 
 
+@speculative
 def test_the_draft_loop_is_counted_by_its_batch_and_a_step_advanced_early_is_a_position_not_a_slot(mp, guard,
                                                                                                    runner):
     """sglang's own per-step slices of the draft's out_cache_loc (EagleDraftWorker.draft_forward),

@@ -338,3 +338,52 @@ def _extend_rows(run, rows, n: int, slots: torch.Tensor):
     batch.seq_lens_cpu, batch.rids = torch.full((size,), n), [f"r{row}" for row in rows]
     batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu = [n] * size, [0] * size
     return batch
+
+
+@pytest.mark.parametrize("kind", ["pd-decode", "target-verify", "speculative-server"])
+def test_an_older_releases_unmeasured_steps_keep_bounds_and_liveness_only(engine, monkeypatch, caplog, kind):
+    """On a release measured without speculative and PD decode forwards (sglang 0.5.12; its
+    entry put in place elsewhere), such a step skips the write map, the owner check, the
+    position check and the read check, each said once by name; its bounds and liveness are
+    still checked (counted). The slot freed under its reader is reported once the runner is a
+    plain one again."""
+    import logging
+    from types import SimpleNamespace
+
+    import sglang_oobguard.activate.instrument as instrument
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang_oobguard.report.counts import slot
+    from test_writemap import older_release
+
+    older_release(monkeypatch)
+    run, alloc = engine
+    run.server_args = SimpleNamespace(disaggregation_mode="decode" if kind == "pd-decode" else "null",
+                                      speculative_algorithm="EAGLE" if kind == "speculative-server" else None)
+    prefix = admit(run, alloc, 1, 4)
+    table = run.req_to_token_pool.req_to_token
+    table[1, 4] = int(alloc.alloc(1)[0])
+    evict(alloc, prefix[2:3])  # the fault: row 1 still reads it
+    batch = decode(run, rows=(1,), seq_lens=(5,))
+    batch.positions = batch.seq_lens + 3  # and a position the check would report
+    if kind == "target-verify":  # one draft token per row, at the decode's slot (not verify's place: unmapped)
+        batch.forward_mode, batch.spec_info = ForwardMode.TARGET_VERIFY, SimpleNamespace(draft_token_num=1)
+    counts = instrument._active.guard.counts.n
+    before = {name: counts[slot(*name)] for name in (("bounds", "steps"), ("liveness", "steps"), ("map", "steps"),
+                                                       ("owners", "steps"), ("reads", "steps"), ("positions", "steps"))}
+    with caplog.at_level(logging.WARNING, logger="sglang_oobguard"):
+        assert run.forward(batch) == "output"
+        sglang_oobguard.check()  # the kernel's record: nothing
+    assert sglang_oobguard.violations() == []
+    after = {name: counts[slot(*name)] - n for name, n in before.items()}
+    assert after == {("bounds", "steps"): 1, ("liveness", "steps"): 1, ("map", "steps"): 0, ("owners", "steps"): 0,
+                     ("reads", "steps"): 0, ("positions", "steps"): 0}, after
+    what = "PD disaggregation's decode side" if kind == "pd-decode" else "speculative decoding's forwards"
+    for said in ("write map not checked for ", "read check skipped for "):
+        assert f"{said}{what}" in caplog.text and "not measured on sglang 0.5.12" in caplog.text, caplog.text
+    run.server_args = SimpleNamespace(disaggregation_mode="null", speculative_algorithm=None)
+    batch.forward_mode, batch.positions = ForwardMode.DECODE, batch.seq_lens - 1
+    with pytest.raises(KVOutOfBoundsError) as info:  # a plain runner: the same step is read-checked
+        run.forward(batch)
+        sglang_oobguard.check()
+    v = info.value.violation
+    assert (v.kind, v.request, v.token, v.value) == ("read_freed", "r1", 2, int(prefix[2])), v

@@ -17,9 +17,15 @@ from sglang_oobguard.probes import hostmap, shadow, stepkernel
 from sglang_oobguard.checks import owners
 from sglang_oobguard.model import writemap
 from sglang_oobguard.probes.record import RECORD_LEN, Kind, Record
-from sglang_oobguard.model.targets import write_map_off
+from sglang_oobguard.model.maptargets import PD_DECODE, SPECULATIVE, WRITE_MAP_MEASURED
+from sglang_oobguard.model.targets import version_of_sglang, write_map_off
 
 pytestmark = pytest.mark.skipif(write_map_off() is not None, reason=str(write_map_off()))
+# An older release measured without speculative forwards (0.5.12): the map leaves them out, and
+# the draft and verify layouts below (and draft extend v2's) are facts of 0.5.23, the release measured.
+SPEC_UNMEASURED = writemap.UNMEASURED.get(SPECULATIVE)
+speculative = pytest.mark.skipif(SPEC_UNMEASURED is not None, reason=f"the write map's speculative layouts were "
+                                 f"measured on sglang 0.5.23 only: {SPECULATIVE}, {SPEC_UNMEASURED}")
 
 ROWS, COLS, HIGH = 12, 48, 1200
 
@@ -91,6 +97,8 @@ def make_case(rng: random.Random, family: str):
                      extend_seq_lens=torch.tensor(counts, dtype=torch.int32),
                      extend_start_loc=torch.tensor(starts, dtype=torch.int32))
         mode, runner = rng.choice(["EXTEND", "MIXED", "DRAFT_EXTEND_V2"]), model_runner(pool)
+        if SPEC_UNMEASURED is not None and mode == "DRAFT_EXTEND_V2":  # the same draws: an extend instead
+            mode = "EXTEND"
     elif family == "decode":
         seq_lens = [rng.randint(1, COLS) for _ in range(size)]
         pos, extra, mode, runner = oracle_positions(family, rows, seq_lens), {}, "DECODE", model_runner(pool)
@@ -167,7 +175,8 @@ def live_for(pool, batch, with_owner):
     return live if with_owner else live._replace(owner=None)
 
 
-@pytest.mark.parametrize("family", ["extend", "decode", "verify", "draft"])
+@pytest.mark.parametrize("family", ["extend", "decode", pytest.param("verify", marks=speculative),
+                                    pytest.param("draft", marks=speculative)])
 def test_kernel_and_host_find_the_same_violation_and_clean_the_same(family):
     rng = random.Random(f"writemap-{family}")
     seen = set()
@@ -215,6 +224,7 @@ def test_owner_is_claimed_by_the_first_writer_and_a_second_row_is_owned():
     assert int(live.owner[int(batch.out_cache_loc[0])]) == 0 and int(live.flags[int(batch.out_cache_loc[0])]) == 0
 
 
+@speculative
 def test_draft_lanes_for_topk_above_one_follow_sglangs_own_cache_loc_kernel():
     """EAGLE's draft decode with topk > 1 (the CPU engine runs topk 1 only): out_cache_loc
     is built here by sglang's own Triton kernel (assign_draft_cache_locs_contiguous, in the
@@ -246,6 +256,7 @@ def test_draft_lanes_for_topk_above_one_follow_sglangs_own_cache_loc_kernel():
         assert plain == f"decode: out_cache_loc has {topk * len(rows)} ids for a batch of {len(rows)}"
 
 
+@speculative
 def test_draft_lanes_with_pages_follow_prepare_for_drafts_paged_layout():
     """page > 1 with topk > 1: eagle_worker_common.prepare_for_draft's gather (the source,
     written out here: its torch code inline in that function): branch k of row r starts
@@ -271,6 +282,7 @@ def test_draft_lanes_with_pages_follow_prepare_for_drafts_paged_layout():
         assert run_both(batch, runner, None, None)[2].calls == 0
 
 
+@speculative
 def test_padding_is_exempt_by_count_and_row_zero_is_not_assumed_zero():
     rng = random.Random(4)
     batch, runner, pool, pos = make_case(rng, "verify")
@@ -309,3 +321,44 @@ def test_modes_without_a_map_are_named():
 
     batch.forward_mode = ForwardMode.PREBUILT
     assert writemap.rule_of(batch, runner) == "prebuilt: the write map is not defined for this forward mode"
+
+
+def older_release(monkeypatch):
+    """sglang 0.5.12's entry of WRITE_MAP_MEASURED: the installed one there, put in place elsewhere."""
+    if version_of_sglang() not in WRITE_MAP_MEASURED:
+        monkeypatch.setattr(writemap, "UNMEASURED", {what: "not measured on sglang 0.5.12" for what in
+                                                     WRITE_MAP_MEASURED["0.5.12"]})
+    assert set(writemap.UNMEASURED) == {SPECULATIVE, PD_DECODE}
+
+
+def test_an_older_release_leaves_its_unmeasured_forwards_out_by_name(monkeypatch):
+    """On a release measured without speculative and PD decode forwards (0.5.12): a draft runner's
+    decode, a target verify, a draft extend (v2), the target's own extend in a speculative server
+    and any step of a PD decode server get the reason, read from attributes alone; the plain
+    decode's fast path gives them up too. A plain extend and decode still get their rules."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    older_release(monkeypatch)
+    spec = f"{SPECULATIVE}: not measured on sglang 0.5.12"
+    pd = f"{PD_DECODE}: not measured on sglang 0.5.12"
+    rng = random.Random(7)
+    batch, runner, pool, pos = make_case(rng, "decode")
+    assert writemap.rule_of(batch, runner).family == "decode" and writemap.plain_decode(batch, runner) is not None
+    runner.is_draft_worker = True
+    assert writemap.rule_of(batch, runner, 0, positions=True) == spec and writemap.unmeasured(batch, runner) == spec
+    assert writemap.plain_decode(batch, runner) is None
+    runner.is_draft_worker = False
+    modes = [name for name in ("TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2") if hasattr(ForwardMode, name)]
+    for name in modes:
+        batch.forward_mode = getattr(ForwardMode, name)
+        assert writemap.rule_of(batch, runner) == spec, name
+    batch.forward_mode = ForwardMode.DECODE
+    runner.server_args.speculative_algorithm = "EAGLE"  # the target's own decode or extend in such a server
+    assert writemap.rule_of(batch, runner) == spec and writemap.plain_decode(batch, runner) is None
+    runner.server_args.speculative_algorithm = None
+    runner.server_args.disaggregation_mode = "decode"
+    assert writemap.rule_of(batch, runner) == pd and writemap.plain_decode(batch, runner) is None
+    runner.server_args.disaggregation_mode = "prefill"
+    assert writemap.rule_of(batch, runner).family == "decode"
+    extend, runner, _, _ = make_case(random.Random(8), "extend")
+    assert writemap.rule_of(extend, runner).family == "extend"

@@ -11,12 +11,14 @@ from ..checks.registry import UNITS
 from ..model import config as config_mod
 from ..model.log import logger
 from ..model.swatargets import FAMILIES_SHORT
-from ..model.targets import FUSED_WRITERS, STEP_HOOK, UNMAPPED, module_file, write_map_off
+from ..model.maptargets import UNMAPPED
+from ..model.targets import FUSED_WRITERS, STEP_HOOK, module_file, write_map_off, write_map_unmeasured
 
 
 def line(config: config_mod.Config, guarded: int, version: str, on: tuple[str, ...]) -> str:
+    unmeasured = "".join(f"; {name} ({why})" for name, why in write_map_unmeasured())
     mapped = f"write map off ({write_map_off()})" if write_map_off() else \
-        f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)})"
+        f"write map on (not for: {'; '.join(name for name, _ in UNMAPPED)}{unmeasured})"
     memory = f"; read check memory {reads.MEMORY}" if "reads" in config.checks else ""
     liveness = f"on (tracks {FAMILIES_SHORT}{memory})" if config.liveness else "off"
     off = [unit.name for unit in UNITS if unit.name in config.switched_off]

@@ -15,7 +15,7 @@ from typing import Any, Iterable, NamedTuple, Optional, Union
 import numpy as np
 import torch
 
-from ..model.targets import write_map_off
+from ..model.targets import write_map_off, write_map_unmeasured
 from ..probes import hostscan
 from ..probes.record import Kind
 from ..probes.shadow import PAGE_BYTES, Live
@@ -164,7 +164,8 @@ def named(where: Optional[Lookup], kind: int, row: int, token: Optional[int], sl
 
 def doctor(found: Found) -> list[str]:
     return ["the owner and read checks read the shadow of the ids req_to_token holds (an SWA pool's: its full "
-            "sub-pool's); a step pool no shadow holds: both off, said once in the log (WARNING)"]
+            "sub-pool's); a step pool no shadow holds: both off, said once in the log (WARNING)",
+            *(f"not checked: {name} ({why}: the write map skips them)" for name, why in write_map_unmeasured())]
 
 
 UNIT = Unit("owners", "a slot is written by the request that owns it", "per step: O(tokens)", ("steps",),

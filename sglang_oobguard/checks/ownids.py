@@ -26,7 +26,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import numpy as np
 import torch
 
-from ..model.targets import write_map_off
+from ..model.targets import write_map_off, write_map_unmeasured
 from ..model.violation import Kind
 from ..probes.hostmap import FEW
 from ..probes.pools import STATE_ATTR
@@ -136,7 +136,8 @@ def check(guard: Guard, pool: Any, site: int, loc: torch.Tensor, high: int, laye
 
 def doctor(found: Found) -> list[str]:
     return ["a layer's write with ids of its own (not the step's out_cache_loc): one id per token, each its token's "
-            "own slot; another shape, each id a slot of the step's tokens (CPU ids)"]
+            "own slot; another shape, each id a slot of the step's tokens (CPU ids)",
+            *(f"not checked: {name} ({why}: the write map skips them)" for name, why in write_map_unmeasured())]
 
 
 UNIT = Unit("ownids", "a layer's write with ids of its own writes only its own tokens' slots",

@@ -34,7 +34,7 @@ import torch
 
 from ..model import poslayout, writemap
 from ..model.config import Mode
-from ..model.targets import write_map_off
+from ..model.targets import write_map_off, write_map_unmeasured
 from ..model.violation import Kind, site_id
 from ..probes import hostpos
 from ..probes.pools import PoolState
@@ -216,6 +216,7 @@ def doctor(found: Found) -> list[str]:
             "EAGLE draft step s: seq_len + s; verify: a chain exactly, a tree within [seq_len, seq_len + j]); "
             "not checked:",
             *(f"  {name}: {why}" for name, why in poslayout.NOT_DERIVED),
+            *(f"  {name}: {why} (the write map skips them)" for name, why in write_map_unmeasured()),
             "input_ids[i] against its request's token at that position: the target's extend and decode, CPU ids "
             "only (a GPU's would need a host copy), tokens the scheduler holds (ForwardBatch.init_new keeps the "
             f"batch's requests: {found(BATCH_MODULE, 'ForwardBatch', 'init_new')})"]

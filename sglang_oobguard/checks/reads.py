@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..model.log import logger
-from ..model.targets import write_map_off
+from ..model.targets import write_map_off, write_map_unmeasured
 from ..model.violation import site_id
 from ..probes import device, readkernel, readmap
 from ..probes.record import Record
@@ -185,7 +185,8 @@ def doctor(found: Found) -> list[str]:
     gib = {rows: f"{readmap.Seen.bytes_for(rows, 131072) / 2**30:.1f} GiB" for rows in (4096, 2048)}
     return ["the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live and of "
             "the generation it first read (host path on CPU tensors, one launch on a GPU); where the write map runs ("
-            + (write_map_off() or "on here") + ")",
+            + (write_map_off() or "on here") + ")" + "".join(f"; not for {name} ({why}: skipped with the write map)"
+                                                             for name, why in write_map_unmeasured()),
             f"the read check's memory, with liveness: {MEMORY} as sglang sizes its pools (sglang's budget does not "
             f"count it), before serving and capture: {gib[4096]} for 4096 rows x 131072 context, {gib[2048]} for 2048"]
 

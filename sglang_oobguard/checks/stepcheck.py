@@ -33,7 +33,9 @@ import torch
 from ..model.config import Backend
 from ..model.log import logger
 from ..model.swatargets import full_space
-from ..model.targets import POOL_IDS, POOL_OF_ALLOCATOR, UNMAPPED, write_map_off
+from ..model import writemap
+from ..model.maptargets import UNMAPPED
+from ..model.targets import POOL_IDS, POOL_OF_ALLOCATOR, write_map_off, write_map_unmeasured
 from ..probes import device
 from ..probes.pools import STATE_ATTR
 from ..report.counts import slot
@@ -95,10 +97,22 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     if mapped and "ownids" in checks:
         ownids.remember(guard, pool, loc, passed, few)
     _count(guard, pool, mapped)
-    # after the owner claims of this step's writes; on the releases whose step layouts the write map knows
-    if "reads" in checks and not capturing and stepmap.WRITE_MAP_OFF is None:
+    # after the owner claims of this step's writes; on the releases whose step layouts the write map knows,
+    # but for the forwards such a release was not measured on (its map skipped them too)
+    if "reads" in checks and not capturing and stepmap.WRITE_MAP_OFF is None and _measured(guard, runner, batch):
         reads.check_reads(guard, runner, batch, pool, high)
     return passed
+
+
+def _measured(guard: Guard, runner: Any, batch: Any) -> bool:
+    """Whether this step's reads were measured on this sglang (`writemap.unmeasured`: attributes
+    only); else the read check skips it, said once per reason."""
+    if not writemap.UNMEASURED:
+        return True
+    why = writemap.unmeasured(batch, runner)
+    if why is not None and guard.first_time(f"read check skipped: {why}"):
+        logger.warning("sglang_oobguard: read check skipped for %s", why)
+    return why is None
 
 
 def _count(guard: Guard, pool: Any, mapped: bool) -> None:
@@ -199,6 +213,7 @@ def make_forward_hook(guard: Guard, pool_attr: str) -> Any:
 def doctor(found: Found) -> list[str]:
     return ["the write map (each token's slot is req_to_token's; no slot or row twice); not checked:",
             *(f"  {name}: {why}" for name, why in UNMAPPED),
+            *(f"  {name}: {why}: bounds and liveness only" for name, why in write_map_unmeasured()),
             "fused writers that take out_cache_loc themselves are reported, not contained, for ownership"]
 
 

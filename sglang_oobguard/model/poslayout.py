@@ -39,9 +39,10 @@ NOT_DERIVED = (
 )
 
 
-def _algorithm(runner: Any) -> str:
-    algorithm = getattr(runner, "spec_algorithm", None)
-    name = getattr(algorithm, "name", None)
+def algorithm(runner: Any) -> str:
+    """The runner's speculative algorithm's name, upper case ("NONE": none)."""
+    spec = getattr(runner, "spec_algorithm", None)
+    name = getattr(spec, "name", None)
     if isinstance(name, str):
         return name.upper()
     named = getattr(getattr(runner, "server_args", None), "speculative_algorithm", None)
@@ -55,12 +56,12 @@ def layout(family: str, batch: Any, runner: Any, draft_step: int) -> Union[int, 
         return NOT_DERIVED[0][0]
     if getattr(batch, "encoder_lens", None) is not None:
         return NOT_DERIVED[1][0]
-    algorithm = _algorithm(runner)
+    spec = algorithm(runner)
     args = getattr(runner, "server_args", None)
-    if algorithm not in KNOWN_SPEC or getattr(args, "enable_multi_layer_eagle", False):
+    if spec not in KNOWN_SPEC or getattr(args, "enable_multi_layer_eagle", False):
         return NOT_DERIVED[3][0]
     if family == "draft":
         return EXACT if draft_step >= 0 else NOT_DERIVED[4][0]
-    if family == "verify" and (algorithm == TREES or getattr(args, "speculative_eagle_topk", 1) != 1):
+    if family == "verify" and (spec == TREES or getattr(args, "speculative_eagle_topk", 1) != 1):
         return TREE
     return EXACT

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .dsv4targets import dsv4_slots
+from .maptargets import WRITE_MAP_MEASURED
 
 # Supported versions, declared up front: the releases the CI matrix runs, oldest to newest. What
 # a release lacks is skipped and named in a log line; outside the range the guard installs what fits.
@@ -172,20 +173,12 @@ class StepHook:
     pool_attr: str
 
 
-# The step check's write map (`writemap`): for doctor and the activation line, what it
-# does not check, by name (a short name, and why).
-UNMAPPED = (
-    ("prebuilt, split_prefill, dllm_extend forwards", "no mapping measured: bounds and liveness only"),
-    ("draft steps on translated pools", "out_cache_loc_virtual spans every draft step: bounds and liveness only"),
-    ("EAGLE draft decode and draft extend under CUDA graphs",
-     "EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner.execute replay without ModelRunner.forward: "
-     "no step check; their layers' captured probes still check bounds and liveness at every replay"),
-)
 # The releases whose forward modes the write map was measured on (shared/reference/
 # write-map.md): elsewhere a mismatch could be a layout the guard does not know, which
 # would fail a healthy server in strict mode, so the step check keeps bounds and
 # liveness there and says so.
 WRITE_MAP_SINCE = (0, 5, 23)
+# Older releases measured with the engine, with what was not measured there: `maptargets.WRITE_MAP_MEASURED`.
 
 
 def write_map_off() -> Optional[str]:
@@ -194,11 +187,18 @@ def write_map_off() -> Optional[str]:
     from packaging.version import InvalidVersion, Version
 
     try:
-        if Version(version).release[:3] >= WRITE_MAP_SINCE:
+        if version in WRITE_MAP_MEASURED or Version(version).release[:3] >= WRITE_MAP_SINCE:
             return None
     except InvalidVersion:
         pass
     return f"sglang {version}: the write map was measured on {'.'.join(map(str, WRITE_MAP_SINCE))}+ only"
+
+
+def write_map_unmeasured() -> tuple[tuple[str, str], ...]:
+    """(what, why) of each forward the write map's checks leave out on the installed sglang, an
+    older release measured without them (`WRITE_MAP_MEASURED`); empty on 0.5.23+."""
+    version = version_of_sglang()
+    return tuple((what, f"not measured on sglang {version}") for what in WRITE_MAP_MEASURED.get(version, ()))
 
 
 STEP_HOOK = StepHook("sglang.srt.model_executor.model_runner", "ModelRunner", "forward", "token_to_kv_pool")

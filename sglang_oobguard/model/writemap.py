@@ -22,7 +22,10 @@ step s when it is known: p = seq_lens[r] + s + k * lane(r), not from positions.
 
 `rule_of` reads the mapping's values only from the batch's device tensors (a host value
 baked into a CUDA graph would be wrong at replay) and host ints only for shapes. Where
-the map is not defined it returns a reason (a str): the caller skips by name.
+the map is not defined it returns a reason (a str): the caller skips by name. On an older
+release measured without some forwards (`maptargets.WRITE_MAP_MEASURED`: 0.5.12's
+speculative and PD decode forwards) those get a reason too (`unmeasured`, from attributes
+only), and the read check skips the same steps.
 
 The checks of the map run in `hostmap` (CPU ids) and `stepkernel` (one launch);
 `owners` names who holds a slot when a report needs it.
@@ -35,8 +38,14 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from . import poslayout
+from .maptargets import PD_DECODE, SPECULATIVE
+from .targets import write_map_unmeasured
 
 FAMILIES = ("extend", "decode", "draft", "verify")
+UNMEASURED = dict(write_map_unmeasured())  # the installed sglang's forwards not measured -> why (0.5.23+: none)
+SPECULATIVE_MODES = ("target_verify", "draft_extend", "draft_extend_v2")  # sglang's ForwardMode names, lower case
+
+
 class Rule(NamedTuple):
     """One forward's write map: which row and position each token of `ids` writes."""
 
@@ -83,7 +92,8 @@ def plain_decode(batch: Any, runner: Any) -> Optional[tuple[torch.Tensor, torch.
     row at seq_lens - 1: no virtual ids, no encoder offset, not a draft runner), read
     with the fewest attribute reads (the caller checks their shapes); None: ask `rule_of`."""
     if mode_of(batch) != "decode" or getattr(runner, "is_draft_worker", False) \
-            or getattr(batch, "out_cache_loc_virtual", None) is not None or getattr(batch, "encoder_lens", None) is not None:
+            or getattr(batch, "out_cache_loc_virtual", None) is not None or getattr(batch, "encoder_lens", None) is not None \
+            or UNMEASURED and unmeasured(batch, runner) is not None:
         return None
     rows, seq_lens = getattr(batch, "req_pool_indices", None), getattr(batch, "seq_lens", None)
     table = getattr(getattr(runner, "req_to_token_pool", None), "req_to_token", None)
@@ -96,10 +106,29 @@ def _tensor(value: Any) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def unmeasured(batch: Any, runner: Any) -> Optional[str]:
+    """Why this forward is left to bounds and liveness on this sglang, a release measured
+    without its kind (`UNMEASURED`), or None. Reads attributes only (no tensor: no host sync):
+    speculative decoding by the runner (a draft runner, or a speculative algorithm) or the
+    forward mode; PD's decode side by the server's disaggregation_mode."""
+    if not UNMEASURED:
+        return None
+    if SPECULATIVE in UNMEASURED and (getattr(runner, "is_draft_worker", False) or mode_of(batch) in SPECULATIVE_MODES
+                                      or poslayout.algorithm(runner) != "NONE"):
+        return f"{SPECULATIVE}: {UNMEASURED[SPECULATIVE]}"
+    split = getattr(getattr(runner, "server_args", None), "disaggregation_mode", None)
+    if PD_DECODE in UNMEASURED and str(getattr(split, "value", split)).lower() == "decode":
+        return f"{PD_DECODE}: {UNMEASURED[PD_DECODE]}"
+    return None
+
+
 def rule_of(batch: Any, runner: Any, draft_step: int = -1, positions: bool = False) -> Union[Rule, str]:
     """This forward's rule, or why the write map is not defined for it (a reason the
     caller logs once and `doctor` lists). `positions`: the position check is on, and a
     draft decode is at `draft_step` (-1: not known)."""
+    why = unmeasured(batch, runner) if UNMEASURED else None
+    if why is not None:
+        return why
     rule = _rule(batch, runner, draft_step if positions else -1)
     if isinstance(rule, str) or not positions:
         return rule

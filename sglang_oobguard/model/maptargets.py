@@ -1,0 +1,32 @@
+"""Map targets: the forwards the step check's write map leaves to bounds and liveness, by name.
+
+Two tables, for the write map (`writemap`), doctor and the activation line: the forwards it
+does not check on any release (`UNMAPPED`), and the older releases whose engine ran the
+write map's checks (map, owners, reads, ownids, positions) with what was not measured there
+(`WRITE_MAP_MEASURED`). The gate itself, and the installed release's entries, are read by
+`targets.write_map_off` and `targets.write_map_unmeasured`.
+"""
+
+from __future__ import annotations
+
+# What the write map does not check, by name (a short name, and why).
+UNMAPPED = (
+    ("prebuilt, split_prefill, dllm_extend forwards", "no mapping measured: bounds and liveness only"),
+    ("draft steps on translated pools", "out_cache_loc_virtual spans every draft step: bounds and liveness only"),
+    ("EAGLE draft decode and draft extend under CUDA graphs",
+     "EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner.execute replay without ModelRunner.forward: "
+     "no step check; their layers' captured probes still check bounds and liveness at every replay"),
+)
+
+# The forwards a release may have been measured without (`writemap.unmeasured` tells them from
+# the runner's and the batch's attributes). Speculative decoding: every forward of a server that
+# runs it (the draft runner's, target verify, draft extend, and the target's own extends), so
+# that its steps never mix checked and unchecked owner claims. PD: every forward of a decode server.
+SPECULATIVE = "speculative decoding's forwards (EAGLE, NGRAM: draft, verify and the target's own)"
+PD_DECODE = "PD disaggregation's decode side"
+
+# Older releases whose CPU engine ran the clean matrix silent with the write map's checks on
+# (docs/checks.md, 2026-12-07, issue #43: page size 1/4/16/64, mixed chunks, retraction, TP=2,
+# seeded random workloads), by exact version: what was not measured there, left to bounds
+# and liveness. 0.5.13 to 0.5.22 were not run with the engine: off there.
+WRITE_MAP_MEASURED = {"0.5.12": (SPECULATIVE, PD_DECODE)}
