@@ -38,6 +38,8 @@ COLUMNS = (
     ("owners", "+ owners", "+liveness,+owners", "liveness"),
     ("history", "+ history", "+liveness,+owners,+history", "owners"),
     ("reads", "+ reads: strict + liveness", "+liveness,+owners,+history,+reads", "history"),
+    ("rows", "+ rows", "+liveness,+rows", "liveness"),
+    ("leaks", "+ leaks (per release, per idle)", "+liveness,+leaks", "liveness"),
     ("finite", "strict + finite", "+finite", "strict"),
     ("all", "everything", "all", "reads"),
 )

@@ -100,7 +100,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--per-check: batch 8 at context 512 and 4096 (default: about 10 minutes here), or full: "
                          "batch 1, 8 and 64 at both (about an hour)")
     ap.add_argument("--at-once", type=int, default=5, help="--per-check: engines up at a time (default 5)")
-    ap.add_argument("--columns", default="bounds,map,positions,strict,liveness,owners,history,reads,finite,all",
+    ap.add_argument("--columns", default="bounds,map,positions,strict,liveness,owners,history,reads,rows,leaks,finite,all",
                     help="--per-check: which columns (default all of them)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma-separated, of {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")

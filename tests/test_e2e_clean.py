@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from typing import Callable
 
 import pytest
+from packaging.version import Version
 
 from sglang_oobguard.checks.registry import UNITS
 
@@ -30,6 +32,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.matrix]
 
 EVERY = {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1", "SGLANG_OOBGUARD_FINITE": "1"}
 CORE = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "positions", "finite", "rows", "leaks")
+if Version(version("sglang")).release[:3] < (0, 5, 23):  # a reach-back measurement (measure-map's sitecustomize)
+    # ownids counts only writes whose ids are not the step's out_cache_loc; the older releases' torch_native
+    # layers write with that tensor itself (0.5.12's runs counted none, 2026-12-07): nothing to count there
+    CORE = tuple(check for check in CORE if check != "ownids")
 SILENT = ("KVOutOfBoundsError", "bad KV slot ids", "internal error", "read check skipped", "write map not checked",
           "not finite", "freed while", "the owner check and the read check are off", "Traceback")
 TIMEOUT = 300
@@ -121,6 +127,7 @@ def counted(folder, checks: tuple[str, ...], what: str) -> dict:
     totals = summary.totals()
     idle = [check for check in checks if not any(n for unit, n in totals.get(check, {}).items() if unit != "reports")]
     assert not idle, f"{what}: checks that never ran: {idle}; counted: {totals}"
+    assert "leaks" not in checks or totals["leaks"].get("accounted"), (what, totals["leaks"])  # release completeness
     declared = {unit.name: {*unit.counts, "reports"} for unit in UNITS}  # what doctor says each check counts
     assert all(set(units) <= declared[check] for check, units in totals.items()), (what, totals)
     return totals

@@ -5,7 +5,7 @@ frees none of its KV, a row given back under its running request), each
 - with the guard off: the fault fires (the plugin's line) and sglang says only what it can: an
   assertion at the second release, counts at idle ("memory leak detected"), no request named;
 - in strict mode: the guard's report stops the scheduler where the fault is (the second release,
-  the hand-out of the row, the idle sweep before sglang's own check), naming the request(s);
+  the hand-out of the row, the release that freed nothing: release completeness), naming the request(s);
 - in warn mode: one run with all three, each reported at its place with the requests and the
   history, the second release dropped, every request served.
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e.harness import Run, run_engine
+from sglang_oobguard.model.leaktargets import RELEASE_LEAK_LABEL
 from sglang_oobguard.model.violation import Violation
 
 pytestmark = pytest.mark.e2e
@@ -34,7 +35,7 @@ FIRED = {  # the fault plugin's line for each fault -> what it names
     "row": re.compile(r"oobguard_faultinject: row (\d+) of request (\w+) freed while it runs, before the hand-out "
                       r"to \['(\w+)'\]"),
 }
-SAID = {"twice": "is released a second time", "skip": "tree node or KV transfer at idle: leaked",
+SAID = {"twice": "is released a second time", "skip": "neither freed by its release nor left to the tree",
         "row": "while running request"}
 
 
@@ -111,6 +112,7 @@ def test_warn_names_each_fault_where_it_happens_and_serves_every_request(model, 
     assert (double.value, double.request, double.owner) == (int(row), victim, new)
     assert "req_to_token_pool memory leak detected" not in run.log  # the row never went on sglang's list twice
     leak = next(v for v in by_kind["leak"] if v.request == leaker)
+    assert leak.label == RELEASE_LEAK_LABEL  # at its release, not at the next idle
     assert leak.bad > 16 and leak.generation > 0 and "alloc" in leak.allocated_by  # its prompt's and its tokens' slots
     said = [line for line in run.log.splitlines() if "pool memory leak detected! [full]" in line]
     assert said and not any(leaker in line for line in said)  # sglang's own idle check: counts only

@@ -10,6 +10,8 @@ missing, not whose. Two checks, each where sglang itself acts:
   released a request that had just finished; its slots freed again, its tree locks
   dropped twice). Reported at the second release, naming the request and where its
   first release happened (step and call site); in warn mode the second release is dropped.
+- **Release completeness** (`leakrelease`, after each release): the slots of the request's row
+  that the release neither freed nor left to the tree are leaked, reported there (CPU shadows).
 - **The idle sweep** (`sweep`, as sglang's scheduler idles, before its own check, when it
   is fully idle): every slot the allocator has handed out (the liveness shadow) must be
   held by a tree node (`all_values_flatten`), a session's row or a KV transfer (no request
@@ -42,7 +44,7 @@ from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
 from ..probes.shadow import GEN
 from ..report.counts import slot
-from . import rows
+from . import leakrelease, rows
 from .owners import page_owner_rows
 from .guard import Guard
 from .unit import Found, Unit, Wrap
@@ -113,12 +115,30 @@ def make_release_wrapper(guard: Guard) -> Callable[..., Any]:
         row = row_of(req)
         if rows.quietly(guard, lambda: second_release(guard, req, tree), "release"):
             return None
+        start = rows.quietly(guard, lambda: leakrelease.before(req, tree), "release")
         result = wrapped(*args, **kwargs)
         rows.quietly(guard, lambda: released(guard, req, row), "release")
+        if start is not None:
+            rows.quietly(guard, lambda: _account(guard, req, tree, start), "release")
         return result
 
     setattr(wrapper, MARK, True)
     return wrapper
+
+
+def _account(guard: Guard, req: Any, tree: Any, start: leakrelease.Before) -> None:
+    """After a release: report the slots of its row it neither freed nor left to the tree (once per page)."""
+    found = leakrelease.after(guard, tree, start)
+    if found is None:
+        return
+    leaked, record = found
+    live = start.state.live
+    assert live is not None
+    generations = live.history[GEN, leaked].numpy() if live.history is not None else np.zeros(leaked.size, np.int64)
+    guard.held["leaks"].reported.update((start.state.serial, int(page), int(generation))
+                                        for page, generation in zip(leaked, generations))
+    guard.name_site(record.site, "a request's row", in_steps=False)
+    guard.report_now(start.state, record, request=str(getattr(req, "rid", None)), claimed=True)
 
 
 def hook(module: Any, guard: Guard, wrap: Wrap) -> None:
@@ -154,8 +174,7 @@ def held_pages(scheduler: Any, page: int, swa: bool) -> tuple[int, Callable[[], 
     """sglang's own count of what is held at idle, in pages (the tree's evictable and protected
     tokens, the sessions' rows), and how to list those pages (walks the tree: only when needed)."""
     tree = scheduler.tree_cache
-    sizes = ("full_evictable_size", "full_protected_size") if swa else ("evictable_size", "protected_size")
-    tokens = sum(int(getattr(tree, name)()) for name in sizes)
+    tokens = leakrelease.tree_tokens(tree, swa)
     table = scheduler.req_to_token_pool.req_to_token
     sessions = [kv for kv in getattr(tree, "session_records", dict)().values()
                 if getattr(kv, "req_pool_idx", None) is not None]
@@ -247,11 +266,14 @@ def doctor(found: Found) -> list[str]:
             "  the tracked allocators' slots against the tree, the sessions' rows and PD's transfers (sglang's counts "
             "first, the tree walked only when they differ); one report per leaking request (the owner table and the "
             "rows' book name it: owners and rows on), each page once, with its history",
+            "release completeness: after each release, the row's committed slots freed or the tree's (sglang's "
+            "counts first, the tree walked only when they differ); CPU shadows only (on a GPU: the idle sweep)",
             "  not seen: leaks of untracked allocators (liveness's lines), SWA ids (the full ids are swept), a leak "
             "while requests run (until the next idle), on 0.4.x (no release_kv_cache, no is_fully_idle)"]
 
 
-UNIT = Unit("leaks", "a request's KV released twice; at idle, slots no request, tree node or transfer holds",
-            "per release: O(1); per idle after work: O(pool)", ("releases", "sweeps"),
+UNIT = Unit("leaks", "a request's KV released twice or released with slots left to nobody; at idle, slots no request, "
+            "tree node or transfer holds",
+            "per release: O(the row); per idle after work: O(pool)", ("releases", "accounted", "sweeps"),
             f"{RELEASE}; the scheduler's idle method", where=where, state=Leaks,
             modules=(RELEASE_HOME, *RELEASE_IMPORTERS), hook=hook, doctor=doctor, idle=sweep)

@@ -43,11 +43,19 @@ RELEASE_IMPORTERS = (  # modules that bind release_kv_cache by name (0.5.10 .. 0
     "sglang.srt.disaggregation.decode",
     "sglang.srt.dllm.mixin.scheduler",
 )
+# The release completeness check's site: a release that left slots of the request's row neither
+# freed nor the tree's (`checks.leakrelease`; its report's text: `leaktext`).
+RELEASE_LEAK_LABEL = f"{RELEASE} (slots the release neither freed nor left to the tree)"
 IDLE_GATE = "is_fully_idle"  # Scheduler's: nothing runs, waits or transfers (0.5.10+)
 
 
-def row_of(req: object) -> object:
-    """A request's req_to_token row, or None (released, or never given one): 0.5.23 keeps it
-    in the request's KV record (`req.kv`), older releases on the request."""
+def kv_of(req: object) -> object:
+    """Where a request keeps its row and lengths (`req_pool_idx`, `kv_committed_len`,
+    `cache_protected_len`): 0.5.23 in its KV record (`req.kv`), older releases on the request."""
     kv = getattr(req, "kv", None)
-    return getattr(kv if kv is not None and hasattr(kv, "req_pool_idx") else req, "req_pool_idx", None)
+    return kv if kv is not None and hasattr(kv, "req_pool_idx") else req
+
+
+def row_of(req: object) -> object:
+    """A request's req_to_token row, or None (released, or never given one)."""
+    return getattr(kv_of(req), "req_pool_idx", None)

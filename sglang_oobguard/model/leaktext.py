@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .leaktargets import RELEASE_LEAK_LABEL
+
 
 def _at_step(step: int) -> str:
     return f"at step {step}" if step >= 0 else "before any forward step"
@@ -32,6 +34,9 @@ def what(v: Any) -> str:
         return (f"request {v.request} is released a second time (row {v.value}): its first release was "
                 f"{_at_step(v.freed_step)} by {v.freed_by or 'an unknown call'}")
     whose = f"request {v.request}" if v.request is not None else "one allocation (its request not known)"
+    if v.label == RELEASE_LEAK_LABEL:
+        return (f"{v.bad} slot{'s' if v.bad > 1 else ''} of {whose}, slot {v.value} first, neither freed "
+                f"by its release nor left to the tree: leaked ({v.numel} committed slots in its row)")
     return (f"{v.bad} slot{'s' if v.bad > 1 else ''} of {whose}, slot {v.value} first, held by no running request, "
             f"tree node or KV transfer at idle: leaked ({v.numel} leaked slots in all)")
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The write map's reach-back (issue #43, docs/checks.md): for each sglang release given, the
+# write map's checks opened there (tests/standins/measure-map: test-only, as if the release
+# were in model/maptargets.WRITE_MAP_MEASURED) and the CPU engine run with every check on: the
+# as-installed smoke run (tests/test_e2e_releases.py) and the clean matrix's rows an older CPU
+# engine runs (tests/test_e2e_clean.py less SWA, EAGLE, NGRAM, PD and HiCache: docs/checks.md
+# says why). A release whose runs all pass may go into WRITE_MAP_MEASURED, by hand, with its
+# log. Each release's venv is temporary (ci/setup-env.sh, OOBGUARD_VENV); logs in
+# $OOBGUARD_REACH_LOGS (default /tmp/oobguard-reach).
+#     bash ci/reach-back.sh 0.5.16 0.5.19
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+logs="${OOBGUARD_REACH_LOGS:-/tmp/oobguard-reach}"
+mkdir -p "$logs"
+rows="not swa and not eagle and not ngram and not pd and not hicache"
+for version in "$@"; do
+  work="$(mktemp -d "${TMPDIR:-/tmp}/oobguard-reach.XXXXXX")"
+  [[ -f "ci/requirements/sglang-$version.txt" ]] || python3 ci/make-requirements.py "$version"
+  if OOBGUARD_VENV="$work/venv" bash ci/setup-env.sh "$version" > "$logs/$version.setup.log" 2>&1; then
+    TORCH_EXTENSIONS_DIR="$work/torch-extensions" \
+      PYTHONPATH="$root/tests/standins/measure-map:$root/tests/standins" \
+      "$work/venv/bin/python" -m pytest -m e2e -q -rfE -p no:cacheprovider tests/test_e2e_releases.py \
+      tests/test_e2e_clean.py -k "$rows" > "$logs/$version.log" 2>&1
+    echo "sglang $version: rc=$? $(tail -1 "$logs/$version.log")"
+  else
+    echo "sglang $version: set-up failed (see $logs/$version.setup.log)"
+  fi
+  rm -rf "$work"
+done
