@@ -30,6 +30,7 @@ from ..model.violation import Kind, site_id
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
 from .guard import Guard
+from .liveness import releases_now
 
 _SITE = site_id(RELEASE_LEAK_LABEL)
 
@@ -85,6 +86,8 @@ def _pending(tree: Any, page: int) -> np.ndarray:
     allocator = tree.token_to_kv_pool_allocator
     held = []
     for owner in {id(a): a for a in (allocator, full_space(allocator))}.values():
+        if releases_now(owner):
+            continue  # no group open (before 0.5.19 the last group's list stays after its end)
         for name, per in (("free_group", page), ("free_page_ids_group", 1)):
             group = getattr(owner, "__dict__", {}).get(name)
             held += [ids.reshape(-1).to("cpu", torch.int64) // per for ids in group] if isinstance(group, list) else []

@@ -106,7 +106,7 @@ def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: Ca
 
 def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call, in_pages: bool) -> Any:
     ids = call.ids
-    if isinstance(ids, torch.Tensor) and ids.numel() and _releases_now(allocator):
+    if isinstance(ids, torch.Tensor) and ids.numel() and releases_now(allocator):
         if guard.on_host(ids):  # pages a KV transfer still writes: reported, and held back in warn mode
             free = getattr(allocator, call.method)
             unheld = checked(guard, lambda: transfer.on_free(guard, state, site, ids, in_pages, free))
@@ -270,7 +270,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
     return None
 
 
-def _releases_now(allocator: Any) -> bool:
+def releases_now(allocator: Any) -> bool:
     """Whether a free gives its ids back now, or a free group holds them until
     free_group_end (which frees them again, then for real)."""
     flag = allocator.__dict__.get("is_not_in_free_group")  # before 0.5.19
