@@ -94,13 +94,17 @@ def _pending(tree: Any, page: int) -> np.ndarray:
     return np.unique(torch.cat(held).numpy()) if held else np.empty(0, dtype=np.int64)
 
 
-def _held(tree: Any, page: int) -> np.ndarray:
-    """The pages the tree and the streaming sessions' rows hold (walks the tree: on a mismatch only)."""
+def session_slots(tree: Any) -> list[torch.Tensor]:
+    """The slots the streaming sessions' rows keep (a session holds its row between turns)."""
     table = tree.req_to_token_pool.req_to_token
-    parts = [tree.all_values_flatten().reshape(-1).to("cpu", torch.int64)]
-    parts += [table[kv.req_pool_idx, :int(kv.kv_allocated_len)].to(torch.int64)
-              for kv in getattr(tree, "session_records", dict)().values() if getattr(kv, "req_pool_idx", None) is not None]
-    return np.unique(torch.cat(parts).numpy() // page)
+    return [table[kv.req_pool_idx, :int(kv.kv_allocated_len)] for kv in getattr(tree, "session_records", dict)().values()
+            if getattr(kv, "req_pool_idx", None) is not None]
+
+
+def _held(tree: Any, page: int) -> np.ndarray:
+    """The pages the tree and the sessions' rows hold (walks the tree: on a mismatch only)."""
+    parts = [tree.all_values_flatten(), *session_slots(tree)]
+    return np.unique(torch.cat([part.reshape(-1).to("cpu", torch.int64) for part in parts]).numpy() // page)
 
 
 def after(guard: Guard, tree: Any, start: Before) -> Optional[tuple[np.ndarray, Record]]:

@@ -175,10 +175,7 @@ def held_pages(scheduler: Any, page: int, swa: bool) -> tuple[int, Callable[[], 
     tokens, the sessions' rows), and how to list those pages (walks the tree: only when needed)."""
     tree = scheduler.tree_cache
     tokens = leakrelease.tree_tokens(tree, swa)
-    table = scheduler.req_to_token_pool.req_to_token
-    sessions = [kv for kv in getattr(tree, "session_records", dict)().values()
-                if getattr(kv, "req_pool_idx", None) is not None]
-    session_slots = [table[kv.req_pool_idx, :int(kv.kv_allocated_len)] for kv in sessions]
+    session_slots = leakrelease.session_slots(tree)
     count = -(-tokens // page) + sum(-(-int(s.numel()) // page) for s in session_slots)
 
     def listed() -> np.ndarray:
