@@ -34,6 +34,9 @@ IMPORTS = ["numpy", "tqdm", "requests", "aiohttp", "IPython", "pybase64", "psuti
            "einops", "partial_json_parser", "xgrammar",
            # always: the model runner of 0.5.20 imports the HTTP stack, 0.5.2 and 0.5.5 need fastapi
            "fastapi", "uvicorn"]
+# The CPU engine's own imports beyond those (the sweep's and ci/reach-back.sh's engine runs:
+# tests/test_e2e_releases.py, the clean matrix), as the matrix's releases list them.
+ENGINE = ["uvloop", "setproctitle", "zstandard", "xxhash", "prometheus-client", "python-multipart", "interegular"]
 # Taken only where the release itself names it (0.5.x's sgl_kernel stand-in path wants it).
 IF_NAMED = ["apache-tvm-ffi"]
 RUNTIME_EXTRAS = {"srt", "runtime_common", "runtime-common"}
@@ -94,8 +97,8 @@ def render(version: str, lines: list[str]) -> str:
            "# (its GPU wheels cannot install here); these are the other imports it needs, pinned to what",
            f"# sglang {version} pins where it pins them (its METADATA Requires-Dist). Written by",
            "# ci/make-requirements.py; torch: ci/requirements/torch.txt (one copy shared by every release).",
-           "# Only the pool-level suite runs on this release (ci/sweep.sh), so no engine extras."]
-    for name in IMPORTS + [n for n in IF_NAMED if key(n) in stated]:
+           "# With the CPU engine's own imports (ENGINE), so that the sweep runs the engine here too."]
+    for name in IMPORTS + ENGINE + [n for n in IF_NAMED if key(n) in stated]:
         spec = stated.get(key(name), "")
         note = "" if key(name) in stated else "  # not named in this release's Requires-Dist"
         if key(name) == "tokenizers" and not spec:
