@@ -249,9 +249,10 @@ def test_doctor_exits_non_zero_without_a_traceback_when_the_pools_import_raises_
 
 def test_doctor_lists_every_check_with_its_state():
     """One line per check, its state written out here by hand for this configuration (the write
-    map's checks run on 0.5.23, the release it was measured on, and on 0.5.12, measured with the
-    engine but for its speculative and PD decode forwards, which the map's, owners', reads', ownids'
+    map's checks run on 0.5.23, the release it was measured on, and on the older releases measured
+    with the engine (0.5.12, ...) but for their speculative and PD decode forwards, which the map's, owners', reads', ownids'
     and positions' lines name)."""
+    from sglang_oobguard.model.maptargets import WRITE_MAP_MEASURED
     from sglang_oobguard.model.targets import write_map_off
 
     proc = run_python(DOCTOR, {"SGLANG_OOBGUARD_MODE": "warn", "SGLANG_OOBGUARD_LIVENESS": "1"})
@@ -260,13 +261,14 @@ def test_doctor_lists_every_check_with_its_state():
     start = next(i for i, line in enumerate(lines) if line.startswith("checks (each counts its work"))
     end = next(i for i, line in enumerate(lines) if i > start and not line.startswith("  "))
     states = [line.split(" - ")[0].strip() for line in lines[start + 1:end] if not line.startswith("    ")]
-    mapped = "on" if SGLANG in ("0.5.23", "0.5.12") else f"off ({write_map_off()})"
+    older = SGLANG in WRITE_MAP_MEASURED  # an older release measured in the engine (0.5.12, ...)
+    mapped = "on" if SGLANG == "0.5.23" or older else f"off ({write_map_off()})"
     unmeasured = ("speculative decoding's forwards (EAGLE, NGRAM: draft, verify and the target's own): not measured "
-                  "on sglang 0.5.12", "PD disaggregation's decode side: not measured on sglang 0.5.12")
+                  f"on sglang {SGLANG}", f"PD disaggregation's decode side: not measured on sglang {SGLANG}")
     for what in unmeasured:  # under the map's, the owners', the reads', the ownids' and the positions' lines
-        said = [line for line in lines if what.split(":")[0] in line and "not measured on sglang 0.5.12" in line]
-        assert len(said) == (5 if SGLANG == "0.5.12" else 0), said
-    if SGLANG == "0.5.12":
+        said = [line for line in lines if what.split(":")[0] in line and f"not measured on sglang {SGLANG}" in line]
+        assert len(said) == (5 if older else 0), said
+    if older:
         assert f"      {unmeasured[0]}: bounds and liveness only" in lines, proc.stdout
     decode = "sglang.srt.disaggregation.decode"
     pd = "with liveness, where sglang runs PD disaggregation" if has("DecodePreallocQueue._send_kv_metadata") else \
