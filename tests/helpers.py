@@ -143,6 +143,8 @@ FACTS: dict[str, Fact] = {
     "ReqKvInfo": Fact(_has("sglang.srt.managers.schedule_batch", "ReqKvInfo"), "? (checked on 0.5.23)"),
     "DeepSeekV4SingleKVPool": Fact(_has("sglang.srt.mem_cache.deepseek_v4_memory_pool", "DeepSeekV4SingleKVPool"),
                                    "0.5.12"),
+    "PagedTokenToKVPoolAllocator.free_segment": Fact(  # 0.5.17-0.5.19: it releases pages itself
+        _has("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator.free_segment"), "0.5.17"),
     "PagedTokenToKVPoolAllocator.free_page_ids": Fact(
         _has("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator.free_page_ids"), "0.5.20"),
     # PD disaggregation's decode side: the queue methods the KV transfer check hooks

@@ -141,6 +141,32 @@ def test_paged_allocator_tracks_whole_pages(mp, allocators, guard, backend, page
     assert "free (PagedTokenToKVPoolAllocator): free_index[0]" in str(again) and "(double free)" in str(again)
 
 
+def test_paged_free_segment_gives_pages_back_at_once_and_at_its_group_s_end(mp, allocators, guard):
+    """A request's row freed by segments (release_kv_cache's free_kv_row): 0.5.17-0.5.19's paged
+    free_segment releases the pages itself (its own wrapper), later ones through free_page_ids.
+    Either way the shadow sees the pages go: written after, reported; handed out again, not a
+    double hand-out (0.5.19's engine at page 4 said "handed out again while still allocated"
+    before the wrapper, 2026-12-07). In a free group the pages go at the group's end."""
+    needs("PagedTokenToKVPoolAllocator.free_segment")
+    guard("raise", liveness=True)
+    pool = mha(mp, 64, 4)
+    alloc = paged_allocator(allocators, pool)
+    loc = alloc.alloc(16)
+    alloc.free_segment(loc[4:], start_pos=4)  # pages 2-4 of the row
+    with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
+        write(pool, loc[8:9])
+    write(pool, loc[:4])  # page 1 stays
+    again = alloc.alloc(12)  # the three pages come back: no report
+    assert sorted(torch.unique(again // 4).tolist()) == sorted(torch.unique(loc[4:] // 4).tolist())
+    alloc.free_group_begin()
+    alloc.free_segment(again, start_pos=0)
+    write(pool, again)  # held by the group: still live
+    alloc.free_group_end()
+    with pytest.raises(KVOutOfBoundsError, match="is not allocated"):
+        write(pool, again[:1])
+    sglang_oobguard.check()
+
+
 def test_paged_free_page_ids_double_free(mp, allocators, guard):
     needs("PagedTokenToKVPoolAllocator.free_page_ids")
     guard("raise", liveness=True)

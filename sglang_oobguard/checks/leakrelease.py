@@ -82,13 +82,14 @@ def before(req: Any, tree: Any) -> Optional[Before]:
 
 def _pending(tree: Any, page: int) -> np.ndarray:
     """The pages the allocator's free group holds back until free_group_end (freed, for sglang):
-    its token ids (`free_group`) and, 0.5.20+, its page ids (`free_page_ids_group`)."""
+    its token ids (`free_group`; 0.5.17-0.5.19's `free_page_reps_group`) and, 0.5.20+, its page ids
+    (`free_page_ids_group`)."""
     allocator = tree.token_to_kv_pool_allocator
     held = []
     for owner in {id(a): a for a in (allocator, full_space(allocator))}.values():
         if releases_now(owner):
             continue  # no group open (before 0.5.19 the last group's list stays after its end)
-        for name, per in (("free_group", page), ("free_page_ids_group", 1)):
+        for name, per in (("free_group", page), ("free_page_ids_group", 1), ("free_page_reps_group", page)):
             group = getattr(owner, "__dict__", {}).get(name)
             held += [ids.reshape(-1).to("cpu", torch.int64) // per for ids in group] if isinstance(group, list) else []
     return np.unique(torch.cat(held).numpy()) if held else np.empty(0, dtype=np.int64)

@@ -121,19 +121,20 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call,
 
 
 def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
-    group = getattr(allocator, "free_page_ids_group", None) or []
-    for i, page_ids in enumerate(group):
-        contained = checked(guard, lambda: check_free(guard, state, site, page_ids, True, call.event,
-                                                      allocator.__dict__.get(POOL_OF_ALLOCATOR)))
-        if contained is not None:
-            group[i] = contained
+    for name, in_pages in (("free_page_ids_group", True), ("free_page_reps_group", False)):  # 0.5.20+; 0.5.17-19
+        for i, ids in enumerate(group := getattr(allocator, name, None) or []):  # what the end frees beyond free()
+            contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event,
+                                                          allocator.__dict__.get(POOL_OF_ALLOCATOR)))
+            if contained is not None:
+                group[i] = contained
     return counted(guard, allocator, "group", call)
 
 
-FAMILIES = {Role.FREE: "free", Role.FREE_PAGES: "free", Role.GROUP_END: "group"}
+FAMILIES = {Role.FREE: "free", Role.FREE_SEGMENT: "free", Role.FREE_PAGES: "free", Role.GROUP_END: "group"}
 HANDLERS: dict[Role, Callable[..., Any]] = {
     Role.ALLOC: _alloc,
     Role.FREE: lambda guard, allocator, state, site, call: _free(guard, allocator, state, site, call, False),
+    Role.FREE_SEGMENT: lambda guard, allocator, state, site, call: _free(guard, allocator, state, site, call, False),
     Role.FREE_PAGES: lambda guard, allocator, state, site, call: _free(guard, allocator, state, site, call, True),
     Role.GROUP_END: _group_end,
     Role.BACKUP: _backup,
@@ -332,7 +333,7 @@ def _warm_up_frees(guard: Guard, state: PoolState, cls: type) -> None:
         if role not in FAMILIES or not hasattr(cls, method):
             continue
         site = free_site(method, role, cls)
-        live = state.live if role is Role.FREE else state.live.as_pages()
+        live = state.live.as_pages() if role is Role.FREE_PAGES else state.live
         for dtype in (torch.int64, torch.int32):
             kernels.launch_free(torch.empty(0, dtype=dtype, device=state.device), 1, site, state.record.tensor,
                                 guard.steps.counter(state.device), live, guard.message(site) if strict else None)

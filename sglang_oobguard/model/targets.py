@@ -173,12 +173,10 @@ class StepHook:
     pool_attr: str
 
 
-# The releases whose forward modes the write map was measured on (shared/reference/
-# write-map.md): elsewhere a mismatch could be a layout the guard does not know, which
-# would fail a healthy server in strict mode, so the step check keeps bounds and
-# liveness there and says so.
+# The releases whose forward modes the write map was measured on (shared/reference/write-map.md; older
+# ones: WRITE_MAP_MEASURED): elsewhere a mismatch could be a layout the guard does not know, which would
+# fail a healthy server in strict mode, so the step check keeps bounds and liveness there and says so.
 WRITE_MAP_SINCE = (0, 5, 23)
-# Older releases measured with the engine, with what was not measured there: `maptargets.WRITE_MAP_MEASURED`.
 
 
 def write_map_off() -> Optional[str]:
@@ -287,6 +285,7 @@ class Role(str, enum.Enum):
     ALLOC = "hands out the token ids it returns"
     FREE = "takes token ids back (at once, or when its free group ends)"
     FREE_PAGES = "takes page ids back (at once, or when its free group ends)"
+    FREE_SEGMENT = "takes the pages of its token ids back itself (0.5.17-0.5.19's paged allocator only)"
     GROUP_END = "takes back the page ids its free group held"
     CLEAR = "takes everything back (its constructor calls it: the shadow starts here)"
     BACKUP = "saves the free lists (speculative decoding)"
@@ -304,6 +303,7 @@ ALLOCATOR_METHODS: dict[str, Role] = {
     "alloc_decode": Role.ALLOC,
     "free": Role.FREE,  # free_full, free_segment(s) of the token allocator call it
     "free_page_ids": Role.FREE_PAGES,  # 0.5.20+; the paged free_segment calls it
+    "free_segment": Role.FREE_SEGMENT,  # where it releases pages itself: a class of its own, no free_page_ids
     "free_group_end": Role.GROUP_END,
     "clear": Role.CLEAR,  # resize() calls it too
     "backup_state": Role.BACKUP,  # before 0.5.17
