@@ -17,7 +17,7 @@ from sglang_oobguard.probes import hostmap, shadow, stepkernel
 from sglang_oobguard.checks import owners
 from sglang_oobguard.model import writemap
 from sglang_oobguard.probes.record import RECORD_LEN, Kind, Record
-from sglang_oobguard.model.maptargets import PD_DECODE, SPECULATIVE, WRITE_MAP_MEASURED
+from sglang_oobguard.model.maptargets import HICACHE, PD_DECODE, SPECULATIVE, WRITE_MAP_MEASURED
 from sglang_oobguard.model.targets import write_map_off
 
 pytestmark = pytest.mark.skipif(write_map_off() is not None, reason=str(write_map_off()))
@@ -359,5 +359,10 @@ def test_an_older_release_leaves_its_unmeasured_forwards_out_by_name(monkeypatch
     assert writemap.rule_of(batch, runner) == pd and writemap.plain_decode(batch, runner) is None
     runner.server_args.disaggregation_mode = "prefill"
     assert writemap.rule_of(batch, runner).family == "decode"
+    runner.server_args.enable_hierarchical_cache = True  # 0.5.12 was measured without HiCache (0.5.16+): not left out
+    assert writemap.rule_of(batch, runner).family == "decode"
+    monkeypatch.setitem(writemap.UNMEASURED, HICACHE, "not measured on sglang 0.5.20")  # 0.5.20's entry has it
+    assert writemap.rule_of(batch, runner) == f"{HICACHE}: not measured on sglang 0.5.20"
+    assert writemap.plain_decode(batch, runner) is None
     extend, runner, _, _ = make_case(random.Random(8), "extend")
     assert writemap.rule_of(extend, runner).family == "extend"

@@ -103,9 +103,11 @@ def session_slots(tree: Any) -> list[torch.Tensor]:
 
 
 def _held(tree: Any, page: int) -> np.ndarray:
-    """The pages the tree and the sessions' rows hold (walks the tree: on a mismatch only)."""
-    parts = [tree.all_values_flatten(), *session_slots(tree)]
-    return np.unique(torch.cat([part.reshape(-1).to("cpu", torch.int64) for part in parts]).numpy() // page)
+    """The pages the tree and the sessions' rows hold (walks the tree: on a mismatch only; a
+    ChunkCache, radix off, has no tree to walk and holds nothing)."""
+    walk = getattr(tree, "all_values_flatten", None)
+    parts = [part.reshape(-1).to("cpu", torch.int64) for part in ([walk()] if walk else []) + session_slots(tree)]
+    return np.unique(torch.cat(parts).numpy() // page) if parts else np.empty(0, dtype=np.int64)
 
 
 def after(guard: Guard, tree: Any, start: Before) -> Optional[tuple[np.ndarray, Record]]:

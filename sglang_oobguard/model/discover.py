@@ -208,9 +208,9 @@ def allocator_targets() -> Union[tuple[list[AllocatorMethod], list[str]], str]:
         for cls in (cls for cls in classes if cls.__name__ in names):
             for name, role in roles.items():
                 owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
-                if owner is None or (owner, name) in methods or role is Role.FREE_SEGMENT and (
-                        owner is base or hasattr(cls, "free_page_ids")):  # there it calls free / free_page_ids
-                    continue
+                if owner is None or (owner, name) in methods or name == "free_segment" and (
+                        owner is base or role is Role.FREE_SEGMENT and hasattr(cls, "free_page_ids")):
+                    continue  # the base's free_segment is free() (0.5.17-0.5.19), the paged one's free_page_ids
                 original = owner.__dict__[name]
                 original = getattr(original, "__wrapped__", original)
                 if not by_design(original):  # e.g. the token allocator's alloc_extend: raises, hands out nothing

@@ -24,9 +24,16 @@ UNMAPPED = (
 # that its steps never mix checked and unchecked owner claims. PD: every forward of a decode server.
 SPECULATIVE = "speculative decoding's forwards (EAGLE, NGRAM: draft, verify and the target's own)"
 PD_DECODE = "PD disaggregation's decode side"
+HICACHE = "a HiCache server's forwards (enable_hierarchical_cache)"
 
 # Older releases whose CPU engine ran the clean matrix silent with the write map's checks on
-# (docs/checks.md, 2026-12-07, issue #43: page size 1/4/16/64, mixed chunks, retraction, TP=2,
-# seeded random workloads), by exact version: what was not measured there, left to bounds
-# and liveness. 0.5.13 to 0.5.22 were not run with the engine: off there.
-WRITE_MAP_MEASURED = {"0.5.12": (SPECULATIVE, PD_DECODE)}
+# (docs/checks.md, 2026-12-07, issue #43, `ci/reach-back.sh`: page size 1/4/16/64, mixed chunks,
+# retraction, TP=2, seeded random workloads; from 0.5.16 the SWA rows and, where it runs on a
+# CPU, HiCache's), by exact version: what was not measured there, left to bounds and liveness.
+# Releases not listed were not run that way: the write map is off there.
+WRITE_MAP_MEASURED = {
+    "0.5.12": (SPECULATIVE, PD_DECODE),
+    "0.5.20": (SPECULATIVE, PD_DECODE, HICACHE),  # its HiCache row needs CUDA in create_tree_cache
+    "0.5.21": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
+    "0.5.22": (SPECULATIVE, PD_DECODE),
+}

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from . import poslayout
-from .maptargets import PD_DECODE, SPECULATIVE
+from .maptargets import HICACHE, PD_DECODE, SPECULATIVE
 from .targets import write_map_unmeasured
 
 FAMILIES = ("extend", "decode", "draft", "verify")
@@ -110,15 +110,18 @@ def unmeasured(batch: Any, runner: Any) -> Optional[str]:
     """Why this forward is left to bounds and liveness on this sglang, a release measured
     without its kind (`UNMEASURED`), or None. Reads attributes only (no tensor: no host sync):
     speculative decoding by the runner (a draft runner, or a speculative algorithm) or the
-    forward mode; PD's decode side by the server's disaggregation_mode."""
+    forward mode; PD's decode side by the server's disaggregation_mode; HiCache by its switch."""
     if not UNMEASURED:
         return None
     if SPECULATIVE in UNMEASURED and (getattr(runner, "is_draft_worker", False) or mode_of(batch) in SPECULATIVE_MODES
                                       or poslayout.algorithm(runner) != "NONE"):
         return f"{SPECULATIVE}: {UNMEASURED[SPECULATIVE]}"
-    split = getattr(getattr(runner, "server_args", None), "disaggregation_mode", None)
+    args = getattr(runner, "server_args", None)
+    split = getattr(args, "disaggregation_mode", None)
     if PD_DECODE in UNMEASURED and str(getattr(split, "value", split)).lower() == "decode":
         return f"{PD_DECODE}: {UNMEASURED[PD_DECODE]}"
+    if HICACHE in UNMEASURED and getattr(args, "enable_hierarchical_cache", False) is True:
+        return f"{HICACHE}: {UNMEASURED[HICACHE]}"
     return None
 
 
