@@ -181,15 +181,15 @@ WRITE_MAP_SINCE = (0, 5, 23)
 
 def write_map_off() -> Optional[str]:
     """Why the write map is off on the installed sglang, or None when it is on."""
-    version = version_of_sglang()
     from packaging.version import InvalidVersion, Version
 
+    version, measured = version_of_sglang(), [*WRITE_MAP_MEASURED, ".".join(map(str, WRITE_MAP_SINCE)) + "+"]
     try:
         if version in WRITE_MAP_MEASURED or Version(version).release[:3] >= WRITE_MAP_SINCE:
             return None
     except InvalidVersion:
         pass
-    return f"sglang {version}: the write map was measured on {'.'.join(map(str, WRITE_MAP_SINCE))}+ only"
+    return f"sglang {version}: the write map was measured on {', '.join(measured)} only"
 
 
 def write_map_unmeasured() -> tuple[tuple[str, str], ...]:
