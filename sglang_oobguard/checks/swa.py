@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from ..model.discover import AllocatorMethod, by_design
-from ..model.swatargets import (FULL_SUBPOOL, MAPPING, SWA_CHECKED, SWA_METHODS, SWA_POOL_HOOK, SWA_SUBPOOL, SwaMethod,
-                                SwaRole, space_name)
+from ..model.swatargets import (FULL_SUBPOOL, MAPPING, PEERS_READ_SINCE, SWA_CHECKED, SWA_METHODS, SWA_POOL_HOOK,
+                                SWA_SUBPOOL, SwaMethod, SwaRole, space_name)
+from ..model.targets import version_of_sglang
 from ..model.violation import Kind, free_site_id
 from ..probes import hostscan
 from ..probes.pools import NAME_ATTR, SITES_ATTR, STATE_ATTR
@@ -113,6 +114,19 @@ def _peers(allocator: Any, ids: torch.Tensor) -> Optional[tuple[np.ndarray, np.n
     return full, table[np.clip(full, 0, table.size - 1)]
 
 
+
+def _peers_read() -> bool:
+    """Whether the installed sglang's SWA free() at page size 1 reads every peer (PEERS_READ_SINCE)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version_of_sglang()).release[:3] >= PEERS_READ_SINCE
+    except InvalidVersion:  # an unknown sglang: the newest rules
+        return True
+
+
+PEERS_READ = _peers_read()
+
 def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec: SwaMethod) -> bool:
     """The fast answer for a clean free, in numpy over the shadow's and the mapping's memory:
     True when no id can be bad; False means "check it in full"."""
@@ -128,7 +142,7 @@ def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec:
         return not peers.any()
     if spec.role is SwaRole.FREE_SEGMENT:
         return bool((peers[::page] > 0).all())
-    return page > 1 or bool((peers > 0).all())
+    return page > 1 or not PEERS_READ or bool((peers > 0).all())
 
 
 def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -155,7 +169,7 @@ def check_free(guard: Guard, allocator: Any, method: str, spec: SwaMethod, ids: 
     peers = mapping[wide.clamp(0, mapping.numel() - 2)]
     if spec.role is SwaRole.FREE_FULL:
         peer_bad = ~bad & (peers != 0)
-    elif spec.role is SwaRole.FREE_SEGMENT or page == 1:  # where upstream's free reads every peer
+    elif spec.role is SwaRole.FREE_SEGMENT or page == 1 and PEERS_READ:  # where upstream's free reads every peer
         heads = torch.arange(wide.numel()) % page == 0 if spec.role is SwaRole.FREE_SEGMENT else True
         peer_bad = ~bad & (peers <= 0) & heads
     else:

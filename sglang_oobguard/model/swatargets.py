@@ -95,6 +95,13 @@ SWA_METHODS: dict[str, SwaMethod] = {
 }
 
 
+# From 0.5.20 the SWA allocator's free() at page size 1 reads every full id's SWA peer
+# (`_free_swa_pages`): a full id whose peer is gone already is a double free there. Before, its
+# free_swa drops the zeros (a peer that left the window) and such a free is sglang's own: the
+# guard said "SWA double free" on 0.5.19's correct engine at page 1 (2026-12-07, ci/reach-back.sh).
+PEERS_READ_SINCE = (0, 5, 20)
+
+
 def space_name(pool_class: str, sub: Optional[str]) -> str:
     """A pool's name in reports: the SWA pool, the sub-pool and its id space."""
     if sub is None:
