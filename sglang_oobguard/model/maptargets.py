@@ -33,7 +33,8 @@ HICACHE = "a HiCache server's forwards (enable_hierarchical_cache)"
 # Releases not listed were not run that way: the write map is off there.
 WRITE_MAP_MEASURED = {
     "0.5.12": (SPECULATIVE, PD_DECODE),
-    "0.5.20": (SPECULATIVE, PD_DECODE, HICACHE),  # its HiCache row needs CUDA in create_tree_cache
+    "0.5.19": (SPECULATIVE, PD_DECODE, HICACHE),  # its HiCache row needs CUDA in create_tree_cache
+    "0.5.20": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
     "0.5.21": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
     "0.5.22": (SPECULATIVE, PD_DECODE),
 }
