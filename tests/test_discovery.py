@@ -10,6 +10,7 @@ own door, and classes that sglang defines after install are guarded too.
 from __future__ import annotations
 
 import gc
+import time
 import inspect
 import logging
 import traceback
@@ -205,7 +206,11 @@ def test_classes_defined_after_install_are_guarded_and_released(mp, guard, monke
     sglang_oobguard.uninstall()
     assert not hasattr(LaterPool.__dict__["set_kv_buffer"], "__wrapped__")
     del LaterPool, pool
-    gc.collect()  # the test's class leaves sglang's class tree, so later discoveries do not see it
+    for _ in range(50):  # the test's class leaves sglang's class tree, so later discoveries do not see it
+        gc.collect()  # (a thread of the guard's may hold the pool a moment longer on a loaded machine:
+        if "LaterPool" not in {cls.__name__ for cls in mp.MHATokenToKVPool.__subclasses__()}:  # 0.5.12's CI
+            break  # cell failed here once, 2026-12-07, and passed alone and with its neighbours)
+        time.sleep(0.1)
     assert "LaterPool" not in {cls.__name__ for cls in mp.MHATokenToKVPool.__subclasses__()}
 
 

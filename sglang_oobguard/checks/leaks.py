@@ -258,15 +258,16 @@ def where() -> Optional[str]:
 def doctor(found: Found) -> list[str]:
     return [f"double release: {RELEASE_HOME}.{RELEASE} (sglang {RELEASE_SINCE}+) and each module that binds it: "
             f"{found(RELEASE_HOME, '', RELEASE)}; warn mode drops the second release",
+            "release completeness: after each release, the row's committed slots freed or the tree's (sglang's "
+            "counts first, the tree walked only when they differ); CPU shadows only (on a GPU: the idle sweep)",
             f"idle sweep: before {IDLE_HOOK.owner}.({' or '.join(IDLE_HOOK.methods)}), while {IDLE_HOOK.owner}."
             f"{IDLE_GATE}(): {found(IDLE_HOOK.module, IDLE_HOOK.owner, IDLE_GATE)}",
             "  the tracked allocators' slots against the tree, the sessions' rows and PD's transfers (sglang's counts "
             "first, the tree walked only when they differ); one report per leaking request (the owner table and the "
             "rows' book name it: owners and rows on), each page once, with its history",
-            "release completeness: after each release, the row's committed slots freed or the tree's (sglang's "
-            "counts first, the tree walked only when they differ); CPU shadows only (on a GPU: the idle sweep)",
             "  not seen: leaks of untracked allocators (liveness's lines), SWA ids (the full ids are swept), a leak "
-            "while requests run (until the next idle), on 0.4.x (no release_kv_cache, no is_fully_idle)"]
+            "while requests run that no release shows (until the next idle), on 0.4.x (no release_kv_cache, no "
+            "is_fully_idle)"]
 
 
 UNIT = Unit("leaks", "a request's KV released twice or released with slots left to nobody; at idle, slots no request, "
