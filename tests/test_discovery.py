@@ -211,7 +211,8 @@ def test_classes_defined_after_install_are_guarded_and_released(mp, guard, monke
         if "LaterPool" not in {cls.__name__ for cls in mp.MHATokenToKVPool.__subclasses__()}:  # 0.5.12's CI
             break  # cell failed here once, 2026-12-07, and passed alone and with its neighbours)
         time.sleep(0.1)
-    assert "LaterPool" not in {cls.__name__ for cls in mp.MHATokenToKVPool.__subclasses__()}
+    kept = [cls for cls in mp.MHATokenToKVPool.__subclasses__() if cls.__name__ == "LaterPool"]
+    assert not kept, [type(r).__name__ + ": " + repr(r)[:200] for r in gc.get_referrers(*kept)]  # who holds it
 
 
 def test_swa_wrapper_checked_at_its_door_and_swa_ids_at_the_sub_pool(mp, guard):
