@@ -30,7 +30,7 @@ from ..model.violation import Kind, site_id
 from ..probes.pools import LIVE_ATTR, PoolState
 from ..probes.record import Record
 from .guard import Guard
-from .liveness import releases_now
+from .liveness import END_GROUPS, releases_now
 
 _SITE = site_id(RELEASE_LEAK_LABEL)
 
@@ -82,15 +82,15 @@ def before(req: Any, tree: Any) -> Optional[Before]:
 
 def _pending(tree: Any, page: int) -> np.ndarray:
     """The pages the allocator's free group holds back until free_group_end (freed, for sglang):
-    its token ids (`free_group`; 0.5.17-0.5.19's `free_page_reps_group`) and, 0.5.20+, its page ids
-    (`free_page_ids_group`)."""
+    its token ids (`free_group`) and what its end frees beyond them (`liveness.END_GROUPS`)."""
     allocator = tree.token_to_kv_pool_allocator
     held = []
     for owner in {id(a): a for a in (allocator, full_space(allocator))}.values():
         if releases_now(owner):
             continue  # no group open (before 0.5.19 the last group's list stays after its end)
-        for name, per in (("free_group", page), ("free_page_ids_group", 1), ("free_page_reps_group", page)):
+        for name, in_pages in (("free_group", False), *END_GROUPS):
             group = getattr(owner, "__dict__", {}).get(name)
+            per = 1 if in_pages else page
             held += [ids.reshape(-1).to("cpu", torch.int64) // per for ids in group] if isinstance(group, list) else []
     return np.unique(torch.cat(held).numpy()) if held else np.empty(0, dtype=np.int64)
 

@@ -121,15 +121,16 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call,
 
 
 def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
-    for name, in_pages in (("free_page_ids_group", True), ("free_page_reps_group", False)):  # 0.5.20+; 0.5.17-19
-        for i, ids in enumerate(group := getattr(allocator, name, None) or []):  # what the end frees beyond free()
-            contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event,
-                                                          allocator.__dict__.get(POOL_OF_ALLOCATOR)))
+    for name, in_pages in END_GROUPS:
+        for i, ids in enumerate(group := getattr(allocator, name, None) or []):
+            pool = allocator.__dict__.get(POOL_OF_ALLOCATOR)
+            contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event, pool))
             if contained is not None:
                 group[i] = contained
     return counted(guard, allocator, "group", call)
 
 
+END_GROUPS = (("free_page_ids_group", True), ("free_page_reps_group", False))  # (list, page ids?) a group's end frees
 FAMILIES = {Role.FREE: "free", Role.FREE_SEGMENT: "free", Role.FREE_PAGES: "free", Role.GROUP_END: "group"}
 HANDLERS: dict[Role, Callable[..., Any]] = {
     Role.ALLOC: _alloc,
@@ -272,8 +273,7 @@ def check_free(guard: Guard, state: PoolState, site: int, ids: torch.Tensor, in_
 
 
 def releases_now(allocator: Any) -> bool:
-    """Whether a free gives its ids back now, or a free group holds them until
-    free_group_end (which frees them again, then for real)."""
+    """Whether a free gives its ids back now, or a free group holds them until free_group_end."""
     flag = allocator.__dict__.get("is_not_in_free_group")  # before 0.5.19
     return bool(flag) if flag is not None else allocator.__dict__.get("free_group") is None
 

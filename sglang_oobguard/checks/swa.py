@@ -29,7 +29,7 @@ import torch
 from ..model.discover import AllocatorMethod, by_design
 from ..model.swatargets import (FULL_SUBPOOL, MAPPING, PEERS_READ_SINCE, SWA_CHECKED, SWA_METHODS, SWA_POOL_HOOK,
                                 SWA_SUBPOOL, SwaMethod, SwaRole, space_name)
-from ..model.targets import version_of_sglang
+from ..model.targets import release_of, version_of_sglang
 from ..model.violation import Kind, free_site_id
 from ..probes import hostscan
 from ..probes.pools import NAME_ATTR, SITES_ATTR, STATE_ATTR
@@ -115,17 +115,8 @@ def _peers(allocator: Any, ids: torch.Tensor) -> Optional[tuple[np.ndarray, np.n
 
 
 
-def _peers_read() -> bool:
-    """Whether the installed sglang's SWA free() at page size 1 reads every peer (PEERS_READ_SINCE)."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version_of_sglang()).release[:3] >= PEERS_READ_SINCE
-    except InvalidVersion:  # an unknown sglang: the newest rules
-        return True
-
-
-PEERS_READ = _peers_read()
+_RELEASE = release_of(version_of_sglang())
+PEERS_READ = _RELEASE is None or _RELEASE >= PEERS_READ_SINCE  # an unknown sglang: the newest rules
 
 def _all_good(ids: np.ndarray, live: Live, mapping: np.ndarray, page: int, spec: SwaMethod) -> bool:
     """The fast answer for a clean free, in numpy over the shadow's and the mapping's memory:

@@ -173,23 +173,18 @@ class StepHook:
     pool_attr: str
 
 
-# The releases whose forward modes the write map was measured on (shared/reference/write-map.md; older
-# ones: WRITE_MAP_MEASURED): elsewhere a mismatch could be a layout the guard does not know, which would
-# fail a healthy server in strict mode, so the step check keeps bounds and liveness there and says so.
+# Where the write map was measured (write-map.md; older releases: WRITE_MAP_MEASURED): elsewhere a layout the
+# guard does not know could fail a healthy server in strict mode, so the step check keeps bounds and liveness.
 WRITE_MAP_SINCE = (0, 5, 23)
 
 
 def write_map_off() -> Optional[str]:
     """Why the write map is off on the installed sglang, or None when it is on."""
-    from packaging.version import InvalidVersion, Version
-
-    version, measured = version_of_sglang(), [*WRITE_MAP_MEASURED, ".".join(map(str, WRITE_MAP_SINCE)) + "+"]
-    try:
-        if version in WRITE_MAP_MEASURED or Version(version).release[:3] >= WRITE_MAP_SINCE:
-            return None
-    except InvalidVersion:
-        pass
-    return f"sglang {version}: the write map was measured on {', '.join(measured)} only"
+    version = version_of_sglang()
+    if version in WRITE_MAP_MEASURED or (release_of(version) or ()) >= WRITE_MAP_SINCE:
+        return None
+    return f"sglang {version}: the write map was measured on " + ", ".join([*WRITE_MAP_MEASURED, ".".join(
+        map(str, WRITE_MAP_SINCE)) + "+"]) + " only"
 
 
 def write_map_unmeasured() -> tuple[tuple[str, str], ...]:
@@ -338,13 +333,18 @@ def version_of_sglang() -> str:
         return "unknown"
 
 
-def is_supported(version: str) -> bool:
-    """Whether this release lies in the declared range: its release numbers, so a
-    local build (0.5.23+cu130), a post or a pre-release of a release in range count."""
+def release_of(version: str) -> Optional[tuple[int, ...]]:
+    """A version's release numbers (0.5.23+cu130, 0.5.23.post1: (0, 5, 23)); None: not a version."""
     from packaging.version import InvalidVersion, Version
 
     try:
-        release = Version(version).release[:3]
+        return Version(version).release[:3]
     except InvalidVersion:
-        return False
-    return SUPPORTED[0] <= release <= SUPPORTED[1]
+        return None
+
+
+def is_supported(version: str) -> bool:
+    """Whether this release lies in the declared range: its release numbers, so a
+    local build (0.5.23+cu130), a post or a pre-release of a release in range count."""
+    release = release_of(version)
+    return release is not None and SUPPORTED[0] <= release <= SUPPORTED[1]
