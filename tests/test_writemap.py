@@ -17,7 +17,7 @@ from sglang_oobguard.probes import hostmap, shadow, stepkernel
 from sglang_oobguard.checks import owners
 from sglang_oobguard.model import writemap
 from sglang_oobguard.probes.record import RECORD_LEN, Kind, Record
-from sglang_oobguard.model.maptargets import HICACHE, PD_DECODE, SPECULATIVE, WRITE_MAP_MEASURED
+from sglang_oobguard.model.maptargets import HICACHE, PD_DECODE, SLIDING, SPECULATIVE, WRITE_MAP_MEASURED
 from sglang_oobguard.model.targets import write_map_off
 
 pytestmark = pytest.mark.skipif(write_map_off() is not None, reason=str(write_map_off()))
@@ -327,14 +327,15 @@ def older_release(monkeypatch):
     """sglang 0.5.12's entry of WRITE_MAP_MEASURED, put in place on any release (the same there)."""
     monkeypatch.setattr(writemap, "UNMEASURED", {what: "not measured on sglang 0.5.12" for what in
                                                  WRITE_MAP_MEASURED["0.5.12"]})
-    assert set(writemap.UNMEASURED) == {SPECULATIVE, PD_DECODE}
+    assert set(writemap.UNMEASURED) == {SPECULATIVE, PD_DECODE, HICACHE, SLIDING}
 
 
 def test_an_older_release_leaves_its_unmeasured_forwards_out_by_name(monkeypatch):
-    """On a release measured without speculative and PD decode forwards (0.5.12): a draft runner's
-    decode, a target verify, a draft extend (v2), the target's own extend in a speculative server
-    and any step of a PD decode server get the reason, read from attributes alone; the plain
-    decode's fast path gives them up too. A plain extend and decode still get their rules."""
+    """On a release measured without speculative, PD decode, HiCache and sliding-window forwards
+    (0.5.12): a draft runner's decode, a target verify, a draft extend (v2), the target's own extend
+    in a speculative server and any step of a PD decode, HiCache or SWA server get the reason, read
+    from attributes alone; the plain decode's fast path gives them up too. A plain extend and decode
+    still get their rules, and so do those kinds where the release's entry lacks them."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     older_release(monkeypatch)
@@ -359,10 +360,15 @@ def test_an_older_release_leaves_its_unmeasured_forwards_out_by_name(monkeypatch
     assert writemap.rule_of(batch, runner) == pd and writemap.plain_decode(batch, runner) is None
     runner.server_args.disaggregation_mode = "prefill"
     assert writemap.rule_of(batch, runner).family == "decode"
-    runner.server_args.enable_hierarchical_cache = True  # 0.5.12 was measured without HiCache (0.5.16+): not left out
-    assert writemap.rule_of(batch, runner).family == "decode"
-    monkeypatch.setitem(writemap.UNMEASURED, HICACHE, "not measured on sglang 0.5.20")  # 0.5.20's entry has it
-    assert writemap.rule_of(batch, runner) == f"{HICACHE}: not measured on sglang 0.5.20"
+    runner.token_to_kv_pool = SimpleNamespace(full_kv_pool=pool, swa_kv_pool=pool)  # an SWAKVPool's sub-pools
+    assert writemap.rule_of(batch, runner) == f"{SLIDING}: not measured on sglang 0.5.12"
     assert writemap.plain_decode(batch, runner) is None
+    del writemap.UNMEASURED[SLIDING]  # 0.5.16-0.5.22 ran the SWA rows: measured
+    assert writemap.rule_of(batch, runner).family == "decode"
+    runner.server_args.enable_hierarchical_cache = True
+    assert writemap.rule_of(batch, runner) == f"{HICACHE}: not measured on sglang 0.5.12"
+    assert writemap.plain_decode(batch, runner) is None
+    del writemap.UNMEASURED[HICACHE]  # 0.5.22 ran HiCache's row: measured
+    assert writemap.rule_of(batch, runner).family == "decode"
     extend, runner, _, _ = make_case(random.Random(8), "extend")
     assert writemap.rule_of(extend, runner).family == "extend"

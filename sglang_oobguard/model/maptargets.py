@@ -22,9 +22,12 @@ UNMAPPED = (
 # the runner's and the batch's attributes). Speculative decoding: every forward of a server that
 # runs it (the draft runner's, target verify, draft extend, and the target's own extends), so
 # that its steps never mix checked and unchecked owner claims. PD: every forward of a decode server.
+# HiCache and sliding-window servers: every forward, where their rows did not run (before 0.5.16
+# `ci/reach-back.sh` leaves them out).
 SPECULATIVE = "speculative decoding's forwards (EAGLE, NGRAM: draft, verify and the target's own)"
 PD_DECODE = "PD disaggregation's decode side"
 HICACHE = "a HiCache server's forwards (enable_hierarchical_cache)"
+SLIDING = "a sliding-window model's forwards (SWAKVPool)"
 
 # Older releases whose CPU engine ran the clean matrix silent with the write map's checks on
 # (docs/checks.md, 2026-12-07, issue #43, `ci/reach-back.sh`: page size 1/4/16/64, mixed chunks,
@@ -32,7 +35,9 @@ HICACHE = "a HiCache server's forwards (enable_hierarchical_cache)"
 # CPU, HiCache's), by exact version: what was not measured there, left to bounds and liveness.
 # Releases not listed were not run that way: the write map is off there.
 WRITE_MAP_MEASURED = {
-    "0.5.12": (SPECULATIVE, PD_DECODE),
+    "0.5.12": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
+    "0.5.13": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
+    "0.5.14": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
     "0.5.19": (SPECULATIVE, PD_DECODE, HICACHE),  # its HiCache row needs CUDA in create_tree_cache
     "0.5.20": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
     "0.5.21": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from . import poslayout
-from .maptargets import HICACHE, PD_DECODE, SPECULATIVE
+from .maptargets import HICACHE, PD_DECODE, SLIDING, SPECULATIVE
+from .swatargets import SWA_SUBPOOL
 from .targets import write_map_unmeasured
 
 FAMILIES = ("extend", "decode", "draft", "verify")
@@ -110,7 +111,8 @@ def unmeasured(batch: Any, runner: Any) -> Optional[str]:
     """Why this forward is left to bounds and liveness on this sglang, a release measured
     without its kind (`UNMEASURED`), or None. Reads attributes only (no tensor: no host sync):
     speculative decoding by the runner (a draft runner, or a speculative algorithm) or the
-    forward mode; PD's decode side by the server's disaggregation_mode; HiCache by its switch."""
+    forward mode; PD's decode side by the server's disaggregation_mode; HiCache by its switch;
+    a sliding-window model by its pool's SWA sub-pool."""
     if not UNMEASURED:
         return None
     if SPECULATIVE in UNMEASURED and (getattr(runner, "is_draft_worker", False) or mode_of(batch) in SPECULATIVE_MODES
@@ -122,6 +124,8 @@ def unmeasured(batch: Any, runner: Any) -> Optional[str]:
         return f"{PD_DECODE}: {UNMEASURED[PD_DECODE]}"
     if HICACHE in UNMEASURED and getattr(args, "enable_hierarchical_cache", False) is True:
         return f"{HICACHE}: {UNMEASURED[HICACHE]}"
+    if SLIDING in UNMEASURED and hasattr(getattr(runner, "token_to_kv_pool", None), SWA_SUBPOOL):
+        return f"{SLIDING}: {UNMEASURED[SLIDING]}"
     return None
 
 
