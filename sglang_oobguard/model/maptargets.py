@@ -41,6 +41,7 @@ WRITE_MAP_MEASURED = {
     "0.5.15": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
     "0.5.16": (SPECULATIVE, PD_DECODE, HICACHE),  # its HiCache row needs CUDA in create_tree_cache
     "0.5.17": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
+    "0.5.18": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
     "0.5.19": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
     "0.5.20": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
     "0.5.21": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
