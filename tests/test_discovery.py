@@ -213,9 +213,9 @@ def test_classes_defined_after_install_are_guarded_and_released(mp, guard, monke
 def held_by_the_guard(obj: object, steps: int = 3) -> list[str]:
     """What of the guard's (a module's globals, an object, a function, a wrapt wrapper: `_wrappers`
     is wrapt's C type) reaches `obj` up to `steps` referrers up, not through frames or past a
-    module's globals: after uninstall, none may. Whether `obj` is gone is not the test: on 0.5.12's
-    CI cell a test class outlived its test in 3 of 8 runs (the holder went unnamed: pytest cut the
-    message), never in 5 direct runs of the same cell."""
+    module's globals: after uninstall, none may. Whether `obj` is gone is not the test: in 0.5.12's
+    cell a test class outlived its test 3 times on 2026-12-07, each in a run of the whole CI (its
+    holder unnamed: pytest cut the message), never in a run of the cell alone."""
     seen, held, level = {id(obj)}, [], [obj]
     for _ in range(steps):
         up: list = []
