@@ -117,7 +117,8 @@ def test_history_and_read_check_benchmark_prints_every_row():
     """bench/history_reads.py --quick: the history's cost per allocator call and the read
     check's per step (the host path over sglang's real classes); times not asserted."""
     out = run("bench/history_reads.py", "--quick")
-    assert re.search(r"^\| history's cost \(call site \+ its writes\) \| [\d.]+ \|$", out, re.M), out
+    # a difference of medians: below zero where noise outweighs it (-7.67 in a loaded CI run, 2026-12-07)
+    assert re.search(r"^\| history's cost \(call site \+ its writes\) \| -?[\d.]+ \|$", out, re.M), out
     # the call site beside an empty hook around the same allocator calls, with its ratio and its target
     assert re.search(r"^\| sglang alloc\(1\) \+ free under an empty wrapt hook, per call \| [\d.]+ \|$", out, re.M), out
     assert re.search(r"^\| \.\.\. under a hook that captures the call site \(callsite.here, packed\) \| [\d.]+ "
