@@ -31,9 +31,9 @@ from sglang_oobguard.report.summary import read
 
 pytestmark = [pytest.mark.e2e, pytest.mark.matrix]
 
+INSTALLED = {"OOBGUARD_SITE_DIR": str(ROOT)}  # the guard as a regular install arms it: its .pth (e2e/siteinstall)
 EVERY = {"SGLANG_OOBGUARD_MODE": "strict", "SGLANG_OOBGUARD_LIVENESS": "1", "SGLANG_OOBGUARD_FINITE": "1",
-         # before sglang's plugin loader (0.5.11) the guard arms as a regular install does: its .pth
-         **({} if has("plugin loader") else {"OOBGUARD_SITE_DIR": str(ROOT)})}
+         **({} if has("plugin loader") else INSTALLED)}  # before sglang's plugin loader (0.5.11): the .pth
 CORE = ("bounds", "map", "owners", "liveness", "history", "reads", "ownids", "positions", "finite", "rows", "leaks")
 if Version(version("sglang")).release[:3] < (0, 5, 23):  # a reach-back measurement (measure-map's sitecustomize)
     # ownids counts only writes whose ids are not the step's out_cache_loc; the older releases' torch_native

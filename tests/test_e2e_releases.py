@@ -15,7 +15,6 @@ CPU, not only 0.5.23: the older cells' venvs need the engine's extras
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
@@ -25,7 +24,7 @@ from helpers import ROOT, SGLANG, has
 from sglang_oobguard.checks.registry import UNITS
 from sglang_oobguard.model.targets import write_map_off
 from sglang_oobguard.report import summary
-from test_e2e_clean import CORE, EVERY, SILENT, counted
+from test_e2e_clean import CORE, EVERY, INSTALLED, SILENT, counted
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +32,7 @@ pytestmark = pytest.mark.e2e
 def as_installed(env: dict[str, str], fault: bool = False) -> dict[str, str]:
     """`env` for every process of an engine with the guard installed as a regular package;
     `fault`: the fault plugin loaded where sglang has no plugin loader to load it."""
-    return {**env, "OOBGUARD_SITE_DIR": str(ROOT),
+    return {**env, **INSTALLED,
             **({"OOBGUARD_FAULT_PLUGIN": "1"} if fault and not has("plugin loader") else {})}
 
 

@@ -121,9 +121,9 @@ def _free(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call,
 
 
 def _group_end(guard: Guard, allocator: Any, state: PoolState, site: int, call: Call) -> Any:
+    pool = allocator.__dict__.get(POOL_OF_ALLOCATOR)
     for name, in_pages in END_GROUPS:
         for i, ids in enumerate(group := getattr(allocator, name, None) or []):
-            pool = allocator.__dict__.get(POOL_OF_ALLOCATOR)
             contained = checked(guard, lambda: check_free(guard, state, site, ids, in_pages, call.event, pool))
             if contained is not None:
                 group[i] = contained

@@ -124,7 +124,7 @@ def unmeasured(batch: Any, runner: Any) -> Optional[str]:
         return f"{PD_DECODE}: {UNMEASURED[PD_DECODE]}"
     if HICACHE in UNMEASURED and getattr(args, "enable_hierarchical_cache", False) is True:
         return f"{HICACHE}: {UNMEASURED[HICACHE]}"
-    if SLIDING in UNMEASURED and hasattr(getattr(runner, "token_to_kv_pool", None), SWA_SUBPOOL):
+    if SLIDING in UNMEASURED and SWA_SUBPOOL in getattr(getattr(runner, "token_to_kv_pool", None), "__dict__", {}):
         return f"{SLIDING}: {UNMEASURED[SLIDING]}"
     return None
 
