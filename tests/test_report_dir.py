@@ -159,3 +159,37 @@ def test_an_unwritable_folder_warns_once_and_the_guard_goes_on(tmp_path):
     assert proc.stdout.split("ROWS")[1].strip() == "[0, 5, 6]"  # contained, as without the folder
     assert proc.stderr.count("sglang_oobguard: bad KV slot ids") == 1  # the warn line itself still came
 
+
+
+SCHEDULER = """
+import threading
+def run_scheduler_process(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank, file):
+    if dp_rank is None:  # sglang's forward thread files the counts: the entry is on the main thread
+        worker = threading.Thread(target=file.counts, args=({}, False))
+        worker.start()
+        worker.join()
+    else:
+        file.counts({}, False)
+"""
+
+
+def test_a_process_entry_found_after_activation_is_filed_as_the_role(tmp_path):
+    """A `.pth` install on a release without the plugin loader (before 0.5.11) activates
+    while the spawned scheduler unpickles its entry, before run_scheduler_process runs: the
+    activation names no role, and the first counts filed inside the entry add it, once."""
+    from sglang_oobguard.report.files import ReportFile
+    from sglang_oobguard.report.summary import read
+
+    entry = {"__name__": "sglang.srt.managers.scheduler"}
+    exec(SCHEDULER, entry)
+    for name, dp_rank in (("main", 0), ("worker", None)):
+        file = ReportFile(str(tmp_path / name), {"role": None, "ranks": {}})
+        file.start()
+        file.counts({}, False)  # outside the entry: still unknown
+        entry["run_scheduler_process"](None, None, 0, 1, 0, 0, dp_rank, file)
+        entry["run_scheduler_process"](None, None, 0, 1, 0, 0, dp_rank, file)
+        kinds = [json.loads(line)["kind"] for line in next((tmp_path / name).iterdir()).read_text().splitlines()]
+        assert kinds == ["activation", "counts", "role", "counts", "counts"], (name, kinds)
+        (process,) = read(str(tmp_path / name)).processes
+        expected = {"tp_rank": 1, "moe_ep_rank": 0, "pp_rank": 0, **({"dp_rank": 0} if dp_rank == 0 else {})}
+        assert process.activation["role"] == "run_scheduler_process" and process.activation["ranks"] == expected

@@ -3,7 +3,9 @@ SGLANG_OOBGUARD_REPORT_DIR, for a CI job to gate on (`summary` reads them back).
 
 One activation record when the guard installs (naming the checks that are on, and
 in `unguarded` each hook that could not install after its module loaded), one
-`unguarded` record for each such hook after it, one
+`unguarded` record for each such hook after it, one `role` record where the
+activation came before the sglang process entry was running (a `.pth` install on a
+release without the plugin loader: the scheduler's ranks are known only later), one
 record per reported violation: `Violation.as_dict()`, so every field the report
 has (or gains) is in the file with no second schema; and a `counts` record
 (`report.counts`: what each check did) whenever the server idles after new work, and
@@ -22,6 +24,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Optional, Sequence
@@ -30,7 +33,7 @@ from ..model.log import logger
 from ..model.violation import Violation
 
 FORMAT = 1  # bumped when a record's meaning changes; `summary` reads this format
-ACTIVATION, VIOLATION, COUNTS, UNGUARDED = "activation", "violation", "counts", "unguarded"
+ACTIVATION, VIOLATION, COUNTS, UNGUARDED, ROLE = "activation", "violation", "counts", "unguarded", "role"
 PREFIX, SUFFIX = "oobguard-", ".jsonl"
 
 
@@ -51,6 +54,7 @@ class ReportFile:
         self._pid = -1
         self._host = ""
         self._broken = False
+        self._role_pending = False  # the activation named no sglang process: looked for at each filing
 
     def start(self) -> None:
         """Create the file with its activation record."""
@@ -60,6 +64,11 @@ class ReportFile:
         self._append({"kind": VIOLATION, "pool_key": pool_key, "violation": violation.as_dict()})
 
     def counts(self, counts: dict[str, dict[str, int]], final: bool) -> None:
+        if self._role_pending and self._pid == os.getpid():
+            role, ranks = process_role()
+            if role is not None:
+                self._role_pending = False
+                self._append({"kind": ROLE, "role": role, "ranks": ranks})
         self._append({"kind": COUNTS, "counts": counts, "final": final})
 
     def unguarded(self, entry: dict[str, Any]) -> None:
@@ -92,6 +101,7 @@ class ReportFile:
                            os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._close = weakref.finalize(self, os.close, self._fd)
         self._write({"kind": ACTIVATION, "format": FORMAT, **self.activation})
+        self._role_pending = self.activation.get("role") is None
 
     def _write(self, record: dict[str, Any]) -> None:
         line = json.dumps({**record, "time": time.time(), "pid": self._pid, "host": self._host},
@@ -116,17 +126,19 @@ def activation_record(config: Any, sglang_version: str, guarded: list[str], not_
 def process_role() -> tuple[Optional[str], dict[str, int]]:
     """The sglang process entry this runs in (e.g. `run_scheduler_process`, whose first
     statement runs the plugin loader) and its `*_rank` arguments; plus torchrun's
-    RANK, LOCAL_RANK and WORLD_SIZE. (None, {}) where neither is known."""
+    RANK, LOCAL_RANK and WORLD_SIZE. (None, {}) where neither is known. The calling
+    thread's frames first, then the main thread's (a filing from sglang's forward thread)."""
     ranks = {name.lower(): int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
              if os.environ.get(name, "").isdigit()}
-    frame = sys._getframe(1)
-    while frame is not None:
-        name, module = frame.f_code.co_name, str(frame.f_globals.get("__name__", ""))
-        if module.startswith("sglang.") and name.startswith("run_") and name.endswith("_process"):
-            ranks.update({key: value for key, value in frame.f_locals.items()
-                          if key.endswith("_rank") and type(value) is int})
-            return name, ranks
-        frame = frame.f_back
+    main = sys._current_frames().get(threading.main_thread().ident or -1)
+    for frame in (sys._getframe(1), main):
+        while frame is not None:
+            name, module = frame.f_code.co_name, str(frame.f_globals.get("__name__", ""))
+            if module.startswith("sglang.") and name.startswith("run_") and name.endswith("_process"):
+                ranks.update({key: value for key, value in frame.f_locals.items()
+                              if key.endswith("_rank") and type(value) is int})
+                return name, ranks
+            frame = frame.f_back
     return None, ranks
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from ..model.violation import Violation
 from . import counts
-from .files import ACTIVATION, COUNTS, PREFIX, SUFFIX, UNGUARDED as UNGUARDED_KIND, VIOLATION
+from .files import ACTIVATION, COUNTS, PREFIX, ROLE, SUFFIX, UNGUARDED as UNGUARDED_KIND, VIOLATION
 
 OK, VIOLATIONS, UNGUARDED, NOT_INSTALLED = 0, 1, 2, 3  # exit codes
 
@@ -107,6 +107,8 @@ def read(folder: str) -> Summary:
                         processes.append(current)
                     elif kind == UNGUARDED_KIND and current is not None:
                         current.unguarded.append(record)
+                    elif kind == ROLE and current is not None:  # the process entry, found after activation
+                        current.activation.update(role=record.get("role"), ranks=record.get("ranks") or {})
                     elif kind == COUNTS and current is not None:
                         current.counts = record.get("counts") or {}
                     elif kind == VIOLATION:
