@@ -140,3 +140,24 @@ def test_prefix_valid_rows_check_only_the_written_prefix(case):
     for i, (ids, n) in enumerate(batch):  # unwritten tails copied as they are, written prefixes in range
         assert clean[i, n:].tolist() == ids[n:]
         assert all(0 <= v < high for v in clean[i, :n].tolist())
+
+
+@settings(max_examples=300, deadline=None)
+@given(page=st.sampled_from([1, 4]), pages=st.integers(1, 12), data=st.data())
+def test_a_free_s_fast_answer_agrees_with_the_full_scan(page, pages, data):
+    """scan_free's fast answer (plain Python for a few ids, numpy for many) finds exactly
+    what the full scan finds: ids outside the bound, on a page not live (page 0
+    included), outside the shadow, and (page 1) an id named twice."""
+    from sglang_oobguard.probes import shadow
+
+    live = shadow.new_live(pages, page, torch.device("cpu"), owners=False, history=False)
+    held = data.draw(st.booleans())  # every page live, and ids on them only: the clean frees and the repeats
+    flags = [1] * pages if held else data.draw(st.lists(st.integers(0, 1), min_size=pages, max_size=pages))
+    live.flags[:pages].copy_(torch.tensor(flags))
+    high = pages * page + data.draw(st.integers(0, 3))  # ids past the shadow may still be in the bound
+    count = data.draw(st.sampled_from([1, 3, 40]))
+    low, top = (page, pages * page - 1) if held and pages > 1 else (-1, high)
+    unique = count <= top - low + 1 and data.draw(st.booleans())
+    ids = torch.tensor(data.draw(st.lists(st.integers(low, top), min_size=count, max_size=count, unique=unique)))
+    flat = ids.reshape(-1)
+    assert hostscan.scan_free(ids, high, live) == hostscan._finding(flat, hostscan.bad_free(flat, high, live))

@@ -171,7 +171,32 @@ def bad_free(flat: torch.Tensor, high: int, live: Live) -> torch.Tensor:
 def scan_free(ids: torch.Tensor, high: int, live: Live) -> Optional[Finding]:
     """The check of a free: None when every id is in [0, high) on a live page."""
     flat = ids.reshape(-1)
+    if _clean_free(flat, high, live):
+        return None
     return _finding(flat, bad_free(flat, high, live))
+
+
+def _clean_free(flat: torch.Tensor, high: int, live: Live) -> bool:
+    """`_clean` for a free (no padding page, no id twice where each id owns its flag):
+    True when `bad_free` would find nothing; False means "scan it in full"."""
+    host = live.host
+    if host is None or not flat.is_cpu:
+        return False
+    page, covered = live.page, live.high
+    if flat.numel() <= _HOST_LIST_MAX:
+        few = flat.tolist()
+        if not few:
+            return True
+        if min(few) < 0 or max(few) >= high or (page == 1 and len(set(few)) < len(few)):
+            return False
+        return all(i >= covered or host[i // page] for i in few)
+    ids = flat.numpy()
+    if not (ids.min() >= 0 and ids.max() < high):
+        return False
+    inside = ids[ids < covered]
+    if not np.frombuffer(host, dtype=np.int32)[inside // page].all():
+        return False
+    return page > 1 or np.unique(ids).size == ids.size
 
 
 def live_only(ids: torch.Tensor, high: int, live: Live) -> torch.Tensor:
