@@ -35,6 +35,8 @@ def req_pool(rng: random.Random):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     pool = ReqToTokenPool(size=ROWS - 1, max_context_len=COLS, device="cpu", enable_memory_saver=False)
+    if pool.req_to_token.shape[0] < ROWS:  # an older release (0.5.10): `size` rows, no padding row after them
+        pool = ReqToTokenPool(size=ROWS, max_context_len=COLS, device="cpu", enable_memory_saver=False)
     slots = list(range(1, HIGH))
     rng.shuffle(slots)
     pool.req_to_token.copy_(torch.tensor(slots[:ROWS * COLS], dtype=torch.int32).view(ROWS, COLS))

@@ -35,6 +35,8 @@ SLIDING = "a sliding-window model's forwards (SWAKVPool)"
 # CPU, HiCache's), by exact version: what was not measured there, left to bounds and liveness.
 # Releases not listed were not run that way: the write map is off there.
 WRITE_MAP_MEASURED = {
+    "0.5.10": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
+    "0.5.11": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
     "0.5.12": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
     "0.5.13": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
     "0.5.14": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
