@@ -167,7 +167,7 @@ def _skipped(guard: Guard, table: torch.Tensor, batch: Any) -> str:
     if getattr(batch, "out_cache_loc_virtual", None) is not None:
         return "forwards with out_cache_loc_virtual (req_to_token holds virtual ids)"
     if getattr(batch, "rids", None) is None:
-        return "batches without request ids (ForwardBatch.rids: set from sglang 0.5.10 on, absent in 0.5.9)"
+        return "batches without request ids (ForwardBatch.rids: set from sglang 0.5.10 on, not in 0.5.9)"
     if table.device.type != "cpu" and not isinstance(getattr(batch, "req_pool_indices_cpu", None), torch.Tensor):
         return "GPU batches without req_pool_indices_cpu (a row's new holder is told on the host)"
     return ""
