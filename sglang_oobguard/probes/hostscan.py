@@ -89,29 +89,31 @@ def _finding(flat: torch.Tensor, bad: torch.Tensor) -> Optional[Finding]:
     return Finding(int(bad.sum()), pos, int(flat[pos]))
 
 
-def _all_live(ids: np.ndarray, live: Live) -> bool:
-    """Every id (already inside the bound) sits on a live page, on page 0, or outside the shadow."""
+def _all_live(ids: np.ndarray, live: Live, padding_ok: bool = True) -> bool:
+    """Every id (already inside the bound) sits on a live page, on page 0 (`padding_ok`),
+    or outside the shadow."""
     assert live.host is not None
     inside = ids[ids < live.high]
     held = np.frombuffer(live.host, dtype=np.int32)[inside if live.page == 1 else inside // live.page] != 0
-    return bool(held.all()) or bool((held | (inside < live.page)).all())
+    return bool(held.all()) or (padding_ok and bool((held | (inside < live.page)).all()))
 
 
-def _clean(flat: torch.Tensor, high: int, live: Live) -> bool:
+def _clean(flat: torch.Tensor, high: int, live: Live, padding_ok: bool = True) -> bool:
     """The fast answer for a clean call with a shadow: True when every id is in [0, high)
-    and on a live page; False means "scan it in full". Plain Python for a few ids, numpy
-    over the shadow's memory for many."""
+    and on a live page (page 0 too where `padding_ok`); False means "scan it in full".
+    Plain Python for a few ids, numpy over the shadow's memory for many."""
     host = live.host
-    if host is None:
+    if host is None or not flat.is_cpu:
         return False
     if flat.numel() <= _HOST_LIST_MAX:
         few = flat.tolist()
         if few and (min(few) < 0 or max(few) >= high):
             return False
         page, covered = live.page, live.high
-        return all(i < page or i >= covered or host[i // page] for i in few)
+        low = page if padding_ok else 0
+        return all(i < low or i >= covered or host[i // page] for i in few)
     ids = flat.numpy()
-    return bool(ids.min() >= 0 and ids.max() < high) and _all_live(ids, live)
+    return bool(ids.min() >= 0 and ids.max() < high) and _all_live(ids, live, padding_ok)
 
 
 def _write_mask(loc: torch.Tensor, high: int, lens: Optional[torch.Tensor], live: Optional[Live]) -> torch.Tensor:
@@ -177,26 +179,15 @@ def scan_free(ids: torch.Tensor, high: int, live: Live) -> Optional[Finding]:
 
 
 def _clean_free(flat: torch.Tensor, high: int, live: Live) -> bool:
-    """`_clean` for a free (no padding page, no id twice where each id owns its flag):
-    True when `bad_free` would find nothing; False means "scan it in full"."""
-    host = live.host
-    if host is None or not flat.is_cpu:
+    """`_clean` for a free (page 0 is no page to give back) and, where each id owns its
+    flag (page 1), no id twice: True when `bad_free` would find nothing."""
+    if not _clean(flat, high, live, padding_ok=False):
         return False
-    page, covered = live.page, live.high
+    if live.page > 1:
+        return True
     if flat.numel() <= _HOST_LIST_MAX:
-        few = flat.tolist()
-        if not few:
-            return True
-        if min(few) < 0 or max(few) >= high or (page == 1 and len(set(few)) < len(few)):
-            return False
-        return all(i >= covered or host[i // page] for i in few)
-    ids = flat.numpy()
-    if not (ids.min() >= 0 and ids.max() < high):
-        return False
-    inside = ids[ids < covered]
-    if not np.frombuffer(host, dtype=np.int32)[inside // page].all():
-        return False
-    return page > 1 or np.unique(ids).size == ids.size
+        return len(set(flat.tolist())) == flat.numel()
+    return np.unique(flat.numpy()).size == flat.numel()
 
 
 def live_only(ids: torch.Tensor, high: int, live: Live) -> torch.Tensor:

@@ -130,16 +130,24 @@ def process_role() -> tuple[Optional[str], dict[str, int]]:
     thread's frames first, then the main thread's (a filing from sglang's forward thread)."""
     ranks = {name.lower(): int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
              if os.environ.get(name, "").isdigit()}
-    main = sys._current_frames().get(threading.main_thread().ident or -1)
-    for frame in (sys._getframe(1), main):
-        while frame is not None:
-            name, module = frame.f_code.co_name, str(frame.f_globals.get("__name__", ""))
-            if module.startswith("sglang.") and name.startswith("run_") and name.endswith("_process"):
-                ranks.update({key: value for key, value in frame.f_locals.items()
-                              if key.endswith("_rank") and type(value) is int})
-                return name, ranks
-            frame = frame.f_back
-    return None, ranks
+    entry = _entry(sys._getframe(1))
+    if entry is None:  # a filing from sglang's forward thread: the entry runs on the main thread
+        entry = _entry(sys._current_frames().get(threading.main_thread().ident or -1))
+    if entry is None:
+        return None, ranks
+    ranks.update({key: value for key, value in entry.f_locals.items() if key.endswith("_rank") and type(value) is int})
+    return entry.f_code.co_name, ranks
+
+
+def _entry(frame: Any) -> Any:
+    """The frame of an sglang process entry (`run_*_process` in an sglang module) at or
+    above `frame`; None."""
+    while frame is not None:
+        name, module = frame.f_code.co_name, str(frame.f_globals.get("__name__", ""))
+        if module.startswith("sglang.") and name.startswith("run_") and name.endswith("_process"):
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def _our_version() -> str:
