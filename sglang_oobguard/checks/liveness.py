@@ -100,7 +100,7 @@ def _restore(guard: Guard, allocator: Any, state: PoolState, site: int, call: Ca
     result = call()
     saved = allocator.__dict__.get(BACKUP_ATTR)
     if saved is not None and state.live is not None:
-        _quietly(guard, "restore_state", lambda: _update(state, lambda live: live.flags.copy_(saved)))
+        _quietly(guard, "restore_state", lambda: _update(state, lambda live: shadow.restore(live, saved)))
     return result
 
 

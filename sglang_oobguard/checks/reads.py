@@ -32,7 +32,7 @@ import torch
 from ..model.log import logger
 from ..model.targets import write_map_off, write_map_unmeasured
 from ..model.violation import site_id
-from ..probes import device, readkernel, readmap
+from ..probes import device, readcount, readkernel, readmap
 from ..probes.record import Record
 from .guard import Guard
 from .unit import Found, Unit
@@ -78,10 +78,11 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
         _launch(guard, state, seen, table, batch, size, mode, high)
         return
     rows_np = rows[:size].numpy().astype(np.int64)
-    readmap.forget_changed_holders(seen, rows_np.tolist(), rids)
     lens_np = lens[:size].numpy().astype(np.int64)
-    finding = readmap.check_reads(seen, table.numpy(), rows_np, lens_np, extend, state.live, high,
-                                  _written(batch, mode, lens_np))
+    finding, full = readcount.check(seen, state.live, table.numpy(), rows_np, lens_np, rids, extend, high,
+                                    _written(batch, mode, lens_np))
+    if full:
+        guard.counts.add("reads", "scans")
     if finding is not None:
         _report(guard, state, finding, high)
 
@@ -192,6 +193,7 @@ def doctor(found: Found) -> list[str]:
 
 
 UNIT = Unit("reads", "a running request reads a slot given back or handed to another",
-            "per step: O(context of the batch)", ("steps",), "the forward step's end; sglang's ReqToTokenPool (its memory)",
+            "per step on the host: O(positions new or changed, pages that changed hands), a full scan only "
+            "where that cannot tell; on a GPU: O(context of the batch)", ("steps", "scans"), "the forward step's end; sglang's ReqToTokenPool (its memory)",
             where=write_map_off, doctor=doctor, memory=lambda pages, rows, context: readmap.Seen.bytes_for(rows, context)
             if rows else 0)

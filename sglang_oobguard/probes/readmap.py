@@ -57,6 +57,7 @@ class Seen:
         self.scratch = torch.tensor((*SCRATCH_INIT, 0), dtype=torch.int64, device=where)
         self.holder: list[object] = [None] * rows  # the request (rid) the row was checked for
         self.warm = False  # the read kernel compiled for this table (device path)
+        self.readers = None  # the host path's read counts (`readcount.Readers`), made at its first step
 
     @staticmethod
     def bytes_for(rows: int, cols: int) -> int:

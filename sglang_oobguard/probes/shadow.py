@@ -52,6 +52,9 @@ class Live(NamedTuple):
     owner: Optional[torch.Tensor] = None  # int32 per page: the owning req_to_token row + 1, 0 for none
     history: Optional[torch.Tensor] = None  # int64 (3, pages + 1): GEN, ALLOCATED, FREED (callsite.pack)
     memory: tuple = ()  # a CPU shadow's tables as memoryviews (_FLAGS, _OWNER, _HISTORY + row; None: off)
+    # a CPU shadow's watchers (`probes.readcount.Readers`): told of every page that changes hands
+    # (`touched(pages)`) and of a shadow cleared or restored (`reset()`); a GPU shadow has none
+    watchers: Optional[list] = None
 
     @property
     def pages(self) -> int:
@@ -83,7 +86,7 @@ def new_live(pages: int, page: int, device: torch.device, owners: bool = True, h
         return Live(flags, page, None, owner, story)
     tables = (flags.numpy(), None if owner is None else owner.numpy(), *((None,) * 3 if story is None else story.numpy()))
     memory = tuple(None if table is None else memoryview(table) for table in tables)
-    return Live(flags, page, memory[_FLAGS], owner, story, memory)
+    return Live(flags, page, memory[_FLAGS], owner, story, memory, [])
 
 
 FEW = 32  # up to this many ids, a CPU shadow's pages are worked out in plain Python
@@ -141,6 +144,8 @@ def mark(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False) -
     keeps its owner and history: its earlier slots are still the same request's."""
     pages = _pages(live, ids, host)
     _fill(live, _FLAGS, pages, 1)
+    for watcher in live.watchers or ():
+        watcher.touched(pages)
     if live.owner is None and live.history is None:
         return
     opened = _pages(live, ids, host, opening=True) if live.page > 1 else pages
@@ -156,6 +161,8 @@ def release(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False
     their last free."""
     pages = _pages(live, ids, host)
     _fill(live, _FLAGS, pages, 0)
+    for watcher in live.watchers or ():
+        watcher.touched(pages)
     if live.owner is not None:
         _fill(live, _OWNER, pages, 0)
     if live.history is not None:
@@ -174,5 +181,14 @@ def story(live: Live, page: int) -> Optional[tuple[int, int, int, int]]:
 def clear(live: Live) -> None:
     """Everything went back (the allocator's clear): zeroed in place."""
     live.flags.zero_()
+    for watcher in live.watchers or ():
+        watcher.reset()
     if live.owner is not None:
         live.owner.zero_()
+
+
+def restore(live: Live, saved: torch.Tensor) -> None:
+    """The allocator went back to a saved state (`restore_state`): its flags, copied in place."""
+    live.flags.copy_(saved)
+    for watcher in live.watchers or ():
+        watcher.reset()

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 from ..model.switches import NAMES  # every check the guard can run: the order of the exit line and the report
 
 UNITS = ("steps", "writes", "frees", "allocs", "events", "transfers", "loads", "releases", "accounted", "sweeps",
-         "reports")
+         "scans", "reports")
 _SLOTS = {(check, unit): i for i, (check, unit) in enumerate((c, u) for c in NAMES for u in UNITS)}
 
 

@@ -1,0 +1,200 @@
+"""Read counts: the host read check at the price of what changed, the full check only where needed.
+
+The full read check (`readmap.check_reads`) looks up every (row, position) of the batch
+at every step: O(context). Yet a position a request read before can turn bad in only two
+ways: its slot's page changes hands (freed or handed out: an allocator event the shadow
+sees) or its req_to_token entry names another slot. So per table the guard keeps
+(`Readers`), per page of the pool, how many positions of the rows it counts read that
+page, and every shadow update tells it the pages that change hands (`touched`): those
+still read are suspects. At a step (`check`):
+
+- positions new to a request are looked up, as the full check looks them up;
+- the positions a request read before are compared with what it read (each row's
+  req_to_token slice against `Seen.slot`, at memory speed); a changed entry is checked
+  as the full check checks it (freed, repointed);
+- positions no longer read (a shrunk length, a row handed to another request) come off
+  the counts, and a suspect that no position reads is dropped; one still read by rows
+  outside the batch drops those rows from the counts (a row that is not counted gets the
+  full check when it comes back).
+
+That answer is "clean" only where the full check would find nothing and leave `Seen` as
+it is. Otherwise (a suspect the batch still reads, a bad entry, a row not counted, one
+row twice, a shadow cleared or restored, a finding at the last step) nothing is applied,
+the full check runs and the batch's rows are counted anew: the reports are the full
+check's, report for report (`tests/test_readcount.py` holds the two to that).
+
+Host memory: 4 bytes per page of the pool and 1 per row, made at the first step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from . import readmap
+from .hostscan import look_up
+from .readmap import ReadFinding, Seen
+from .shadow import Live
+
+
+class Readers:
+    """One table's read counts over one pool's shadow (host arrays): a watcher of the shadow."""
+
+    def __init__(self, live: Live, rows: int) -> None:
+        self.flags = live.flags  # the shadow it counts against: another shadow starts new counts
+        self.count = np.zeros(live.pages + 1, dtype=np.int32)  # per page: read positions of the counted rows
+        self.counted = np.zeros(rows, dtype=bool)  # rows whose read positions are in `count`
+        self.suspects: dict[int, int] = {}  # page -> the touch that made it one: it changed hands while read
+        self.touches = 0
+        self.stale = True  # the counts do not hold (new; the shadow cleared or restored): the full check runs
+        self.again = False  # the last step found a bad read: the full check runs (it reports each step)
+        self._view = memoryview(self.count)
+
+    def touched(self, pages: Union[list, np.ndarray, torch.Tensor]) -> None:
+        """Pages that changed hands (`shadow.mark`, `shadow.release`): those read are suspects."""
+        self.touches += 1
+        if isinstance(pages, list):
+            view = self._view
+            for page in pages:
+                if view[page]:
+                    self.suspects[page] = self.touches
+            return
+        pages = pages.numpy() if isinstance(pages, torch.Tensor) else pages
+        for page in pages[self.count.take(pages) > 0].tolist():
+            self.suspects[page] = self.touches
+
+    def reset(self) -> None:
+        """The shadow was cleared or restored wholesale."""
+        self.stale = True
+
+
+def check(seen: Seen, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray, holders: list,
+          extend: bool, high: int, written: Optional[np.ndarray] = None) -> tuple[Optional[ReadFinding], bool]:
+    """`readmap.check_reads` of one step, with its rows' holders (`readmap.forget_changed_holders`);
+    also whether the full check ran."""
+    readers = _readers(seen, live)
+    for row, holder in zip(rows.tolist(), holders):
+        if seen.holder[row] != holder:
+            _uncount(seen, readers, live, np.array([row]))
+    readmap.forget_changed_holders(seen, rows.tolist(), holders)
+    lens = np.minimum(lens, table.shape[1])
+    if not lens.any():
+        return None, False  # nothing read (the full check leaves `seen` as it is too)
+    if _clean(seen, readers, live, table, rows, lens, extend, high):
+        return None, False
+    mark = readers.touches
+    finding = readmap.check_reads(seen, table, rows, lens, extend, live, high, written)
+    _recount(seen, readers, live, rows, mark)
+    readers.again = finding is not None
+    return finding, True
+
+
+def _readers(seen: Seen, live: Live) -> Readers:
+    """The table's counts over this shadow: made (and set watching it) at its first step."""
+    readers = seen.readers
+    if readers is None or readers.flags is not live.flags:
+        readers = seen.readers = Readers(live, seen.slot.shape[0])
+        live.watchers.append(readers)
+    return readers
+
+
+def _clean(seen: Seen, readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray,
+           extend: bool, high: int) -> bool:
+    """The step's reads from what changed. True: clean, and applied as the full check
+    applies them; False: the full check decides (`seen` untouched; the counts are made again)."""
+    if readers.stale or readers.again or np.unique(rows).size != rows.size:
+        return False
+    slot, gen, checked = seen.slot.numpy(), seen.gen.numpy(), seen.checked.numpy()
+    before = checked[rows]
+    if not readers.counted[rows[before > 0]].all():
+        return False
+    old = np.minimum(before, lens)
+    was_rows, was_pos = _changed(table, slot, rows, old)
+    new_rows, new_pos = _spans(rows, old, lens)
+    now_rows, now_pos = np.concatenate([was_rows, new_rows]), np.concatenate([was_pos, new_pos])
+    now = table[now_rows, now_pos].astype(np.int64)
+    looked = look_up(now, live, high, low=live.page, generation=True)
+    if (looked.inside & ~looked.live).any():
+        return False  # a freed slot read
+    was = slot[was_rows, was_pos].astype(np.int64)
+    if was.size and not extend:  # repointed: the slot it named is still handed out as it was
+        then = look_up(was, live, high, low=live.page, generation=True)
+        if (looked.inside[:was.size] & then.live & (then.generation.astype(np.int32) == gen[was_rows, was_pos])).any():
+            return False
+    gone_rows, gone_pos = _spans(rows, lens, before)
+    _count(readers, live, np.concatenate([slot[gone_rows, gone_pos].astype(np.int64), was]), -1)
+    _count(readers, live, now, 1)
+    if _still_read(readers):
+        _uncount(seen, readers, live, np.flatnonzero(readers.counted & ~np.isin(np.arange(readers.counted.size), rows)))
+        if _still_read(readers):
+            return False
+    slot[now_rows, now_pos] = now
+    gen[now_rows, now_pos] = looked.generation.astype(np.int32)
+    checked[rows] = lens
+    readers.counted[rows] = True
+    return True
+
+
+def _still_read(readers: Readers) -> bool:
+    """Drops the suspects no counted position reads; whether any is left."""
+    for page in [page for page in list(readers.suspects) if not readers.count[page]]:  # (a copy: frees may add)
+        readers.suspects.pop(page, None)
+    return bool(readers.suspects)
+
+
+def _changed(table: np.ndarray, slot: np.ndarray, rows: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (row, position) entries below `old` whose slot is not the one read there: a
+    bytes compare per row, positions only for a row that differs."""
+    found_rows, found_pos = [], []
+    same = table.dtype == slot.dtype  # sglang's req_to_token is int32, as Seen.slot
+    for row, n in zip(rows.tolist(), old.tolist()):
+        if n and (table[row, :n].tobytes() != slot[row, :n].tobytes() if same else
+                  not np.array_equal(table[row, :n], slot[row, :n])):
+            pos = np.flatnonzero(table[row, :n] != slot[row, :n])
+            found_rows.append(np.full(pos.size, row))
+            found_pos.append(pos)
+    if not found_rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(found_rows), np.concatenate(found_pos)
+
+
+def _spans(rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, position) for each row's positions in [start, end)."""
+    size = np.maximum(end - start, 0)
+    total = int(size.sum())
+    if not total:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    offset = np.repeat(np.cumsum(size) - size, size)
+    return np.repeat(rows, size), np.repeat(start, size) + np.arange(total) - offset
+
+
+def _count(readers: Readers, live: Live, slots: np.ndarray, by: int) -> None:
+    """Adds `by` to the count of each slot's page (slots past the padding page and inside the shadow)."""
+    inside = (slots >= live.page) & (slots < live.high)
+    if inside.any():
+        np.add.at(readers.count, slots[inside] // live.page, by)
+
+
+def _uncount(seen: Seen, readers: Readers, live: Live, rows: np.ndarray) -> None:
+    """These rows' read positions off the counts (a row not counted gets the full check at its next step)."""
+    rows = rows[readers.counted[rows]]
+    if rows.size:
+        at_rows, at_pos = _spans(rows, np.zeros_like(rows), seen.checked.numpy()[rows])
+        _count(readers, live, seen.slot.numpy()[at_rows, at_pos].astype(np.int64), -1)
+        readers.counted[rows] = False
+
+
+def _recount(seen: Seen, readers: Readers, live: Live, rows: np.ndarray, mark: int) -> None:
+    """After the full check: the batch's rows are counted from what it read, no other row is,
+    and the suspects of touches before it (`mark`) are settled."""
+    readers.count[:] = 0
+    readers.counted[:] = False
+    readers.stale = False
+    rows = np.unique(rows)
+    at_rows, at_pos = _spans(rows, np.zeros_like(rows), seen.checked.numpy()[rows])
+    _count(readers, live, seen.slot.numpy()[at_rows, at_pos].astype(np.int64), 1)
+    readers.counted[rows] = True
+    for page in [page for page, touch in list(readers.suspects.items()) if touch <= mark]:
+        readers.suspects.pop(page, None)
