@@ -76,9 +76,10 @@ def test_the_counted_path_finds_what_the_full_check_finds(history):
         row = int(rng.integers(0, ROWS))
         free = [p for p in range(1, PAGES) if not world.live.flags[p]]
         held = world.live_pages()
-        if op == 0 and (free or held):  # a page handed out (now and then one still handed out: liveness's report)
-            shadow.mark(world.live, world.ids(int(rng.choice(free if free and (not held or rng.random() < 0.9) else held))),
-                        host=True)
+        if op == 0 and (free or held):  # a page handed out (now and then one still handed out: liveness's report),
+            # or at page size > 1 one continued (ids past its offset 0: a request's half-filled last page)
+            ids = world.ids(int(rng.choice(free if free and (not held or rng.random() < 0.9) else held)))
+            shadow.mark(world.live, ids[int(rng.integers(0, page)) if r % 2 else 0:], host=True)
         elif op == 1 and held:  # a page given back
             shadow.release(world.live, world.ids(int(rng.choice(held))), host=True)
         elif op == 2 and held and world.lens[row] < COLS:  # a position appended (its slot, live or not)

@@ -36,21 +36,22 @@ import torch
 from . import readmap
 from .hostscan import look_up
 from .readmap import ReadFinding, Seen
-from .shadow import Live
+from .shadow import FEW, Live
 
 
 class Readers:
     """One table's read counts over one pool's shadow (host arrays): a watcher of the shadow."""
 
-    def __init__(self, live: Live, rows: int) -> None:
+    def __init__(self, live: Live, seen: Seen) -> None:
         self.flags = live.flags  # the shadow it counts against: another shadow starts new counts
         self.count = np.zeros(live.pages + 1, dtype=np.int32)  # per page: read positions of the counted rows
-        self.counted = np.zeros(rows, dtype=bool)  # rows whose read positions are in `count`
+        self.counted = np.zeros(seen.slot.shape[0], dtype=bool)  # rows whose read positions are in `count`
         self.suspects: dict[int, int] = {}  # page -> the touch that made it one: it changed hands while read
         self.touches = 0
         self.stale = True  # the counts do not hold (new; the shadow cleared or restored): the full check runs
         self.again = False  # the last step found a bad read: the full check runs (it reports each step)
         self._view = memoryview(self.count)
+        self.views = (seen.slot.numpy(), seen.gen.numpy(), seen.checked.numpy())  # the host path's views of `seen`
 
     def touched(self, pages: Union[list, np.ndarray, torch.Tensor]) -> None:
         """Pages that changed hands (`shadow.mark`, `shadow.release`): those read are suspects."""
@@ -77,16 +78,16 @@ def check(seen: Seen, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.
     readers = _readers(seen, live)
     for row, holder in zip(rows.tolist(), holders):
         if seen.holder[row] != holder:
-            _uncount(seen, readers, live, np.array([row]))
+            _uncount(readers, live, np.array([row]))
     readmap.forget_changed_holders(seen, rows.tolist(), holders)
     lens = np.minimum(lens, table.shape[1])
     if not lens.any():
         return None, False  # nothing read (the full check leaves `seen` as it is too)
-    if _clean(seen, readers, live, table, rows, lens, extend, high):
+    if _clean(readers, live, table, rows, lens, extend, high):
         return None, False
     mark = readers.touches
     finding = readmap.check_reads(seen, table, rows, lens, extend, live, high, written)
-    _recount(seen, readers, live, rows, mark)
+    _recount(readers, live, rows, mark)
     readers.again = finding is not None
     return finding, True
 
@@ -95,43 +96,47 @@ def _readers(seen: Seen, live: Live) -> Readers:
     """The table's counts over this shadow: made (and set watching it) at its first step."""
     readers = seen.readers
     if readers is None or readers.flags is not live.flags:
-        readers = seen.readers = Readers(live, seen.slot.shape[0])
+        readers = seen.readers = Readers(live, seen)
         live.watchers.append(readers)
     return readers
 
 
-def _clean(seen: Seen, readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray,
+def _clean(readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray,
            extend: bool, high: int) -> bool:
     """The step's reads from what changed. True: clean, and applied as the full check
     applies them; False: the full check decides (`seen` untouched; the counts are made again)."""
-    if readers.stale or readers.again or np.unique(rows).size != rows.size:
+    listed = rows.tolist()
+    if readers.stale or readers.again or len(set(listed)) != len(listed):
         return False
-    slot, gen, checked = seen.slot.numpy(), seen.gen.numpy(), seen.checked.numpy()
+    slot, gen, checked = readers.views
     before = checked[rows]
     if not readers.counted[rows[before > 0]].all():
         return False
     old = np.minimum(before, lens)
-    was_rows, was_pos = _changed(table, slot, rows, old)
-    new_rows, new_pos = _spans(rows, old, lens)
-    now_rows, now_pos = np.concatenate([was_rows, new_rows]), np.concatenate([was_pos, new_pos])
+    was_rows, was_pos = _changed(table, slot, listed, old.tolist())
+    now_rows, now_pos = _spans(rows, old, lens)
+    if was_rows.size:
+        now_rows, now_pos = np.concatenate([was_rows, now_rows]), np.concatenate([was_pos, now_pos])
     now = table[now_rows, now_pos].astype(np.int64)
     looked = look_up(now, live, high, low=live.page, generation=True)
     if (looked.inside & ~looked.live).any():
         return False  # a freed slot read
-    was = slot[was_rows, was_pos].astype(np.int64)
-    if was.size and not extend:  # repointed: the slot it named is still handed out as it was
-        then = look_up(was, live, high, low=live.page, generation=True)
-        if (looked.inside[:was.size] & then.live & (then.generation.astype(np.int32) == gen[was_rows, was_pos])).any():
+    gone = slot[was_rows, was_pos].astype(np.int64)
+    if gone.size and not extend:  # repointed: the slot it named is still handed out as it was
+        then = look_up(gone, live, high, low=live.page, generation=True)
+        if (looked.inside[:gone.size] & then.live & (then.generation.astype(np.int32) == gen[was_rows, was_pos])).any():
             return False
-    gone_rows, gone_pos = _spans(rows, lens, before)
-    _count(readers, live, np.concatenate([slot[gone_rows, gone_pos].astype(np.int64), was]), -1)
+    if (before > lens).any():  # positions no longer read
+        gone_rows, gone_pos = _spans(rows, lens, before)
+        gone = np.concatenate([gone, slot[gone_rows, gone_pos].astype(np.int64)])
+    _count(readers, live, gone, -1)
     _count(readers, live, now, 1)
-    if _still_read(readers):
-        _uncount(seen, readers, live, np.flatnonzero(readers.counted & ~np.isin(np.arange(readers.counted.size), rows)))
+    if readers.suspects and _still_read(readers):
+        _uncount(readers, live, np.flatnonzero(readers.counted & ~np.isin(np.arange(readers.counted.size), rows)))
         if _still_read(readers):
             return False
     slot[now_rows, now_pos] = now
-    gen[now_rows, now_pos] = looked.generation.astype(np.int32)
+    gen[now_rows, now_pos] = looked.generation.astype(np.int32)  # modulo 2^32, as Seen keeps it
     checked[rows] = lens
     readers.counted[rows] = True
     return True
@@ -144,12 +149,12 @@ def _still_read(readers: Readers) -> bool:
     return bool(readers.suspects)
 
 
-def _changed(table: np.ndarray, slot: np.ndarray, rows: np.ndarray, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _changed(table: np.ndarray, slot: np.ndarray, rows: list[int], old: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """The (row, position) entries below `old` whose slot is not the one read there: a
     bytes compare per row, positions only for a row that differs."""
     found_rows, found_pos = [], []
     same = table.dtype == slot.dtype  # sglang's req_to_token is int32, as Seen.slot
-    for row, n in zip(rows.tolist(), old.tolist()):
+    for row, n in zip(rows, old):
         if n and (table[row, :n].tobytes() != slot[row, :n].tobytes() if same else
                   not np.array_equal(table[row, :n], slot[row, :n])):
             pos = np.flatnonzero(table[row, :n] != slot[row, :n])
@@ -172,29 +177,36 @@ def _spans(rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.nda
 
 def _count(readers: Readers, live: Live, slots: np.ndarray, by: int) -> None:
     """Adds `by` to the count of each slot's page (slots past the padding page and inside the shadow)."""
+    if slots.size <= FEW:
+        view, page, high = readers._view, live.page, live.high
+        for value in slots.tolist():
+            if page <= value < high:
+                view[value // page] += by
+        return
     inside = (slots >= live.page) & (slots < live.high)
-    if inside.any():
-        np.add.at(readers.count, slots[inside] // live.page, by)
+    np.add.at(readers.count, slots[inside] // live.page, by)
 
 
-def _uncount(seen: Seen, readers: Readers, live: Live, rows: np.ndarray) -> None:
+def _uncount(readers: Readers, live: Live, rows: np.ndarray) -> None:
     """These rows' read positions off the counts (a row not counted gets the full check at its next step)."""
     rows = rows[readers.counted[rows]]
     if rows.size:
-        at_rows, at_pos = _spans(rows, np.zeros_like(rows), seen.checked.numpy()[rows])
-        _count(readers, live, seen.slot.numpy()[at_rows, at_pos].astype(np.int64), -1)
+        slot, _, checked = readers.views
+        at_rows, at_pos = _spans(rows, np.zeros_like(rows), checked[rows])
+        _count(readers, live, slot[at_rows, at_pos].astype(np.int64), -1)
         readers.counted[rows] = False
 
 
-def _recount(seen: Seen, readers: Readers, live: Live, rows: np.ndarray, mark: int) -> None:
+def _recount(readers: Readers, live: Live, rows: np.ndarray, mark: int) -> None:
     """After the full check: the batch's rows are counted from what it read, no other row is,
     and the suspects of touches before it (`mark`) are settled."""
     readers.count[:] = 0
     readers.counted[:] = False
     readers.stale = False
     rows = np.unique(rows)
-    at_rows, at_pos = _spans(rows, np.zeros_like(rows), seen.checked.numpy()[rows])
-    _count(readers, live, seen.slot.numpy()[at_rows, at_pos].astype(np.int64), 1)
+    slot, _, checked = readers.views
+    at_rows, at_pos = _spans(rows, np.zeros_like(rows), checked[rows])
+    _count(readers, live, slot[at_rows, at_pos].astype(np.int64), 1)
     readers.counted[rows] = True
     for page in [page for page, touch in list(readers.suspects.items()) if touch <= mark]:
         readers.suspects.pop(page, None)

@@ -144,11 +144,11 @@ def mark(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False) -
     keeps its owner and history: its earlier slots are still the same request's."""
     pages = _pages(live, ids, host)
     _fill(live, _FLAGS, pages, 1)
-    for watcher in live.watchers or ():
-        watcher.touched(pages)
     if live.owner is None and live.history is None:
         return
     opened = _pages(live, ids, host, opening=True) if live.page > 1 else pages
+    for watcher in live.watchers or ():  # only a page opened changes hands (its generation); not one continued
+        watcher.touched(opened)
     if live.owner is not None:
         _fill(live, _OWNER, opened, 0)
     if live.history is not None:
