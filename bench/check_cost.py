@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(table(columns, cells, points))
     print()
+    print(kinds_table(columns, cells, points))
+    print()
     warm, cold = timer_ns()
     calls = [cell["own_calls"] for cell in cells.values() if cell["own_calls"] == cell["own_calls"]]
     print(f"The own-time timer itself, in every figure: about {warm:.0f} ns a call warm, {cold:.0f} cold (this "
@@ -116,6 +118,18 @@ def table(columns: list, cells: dict, points: tuple) -> str:
             added = "" if (over, point) not in cells else f", {cell['own_us'] - cells[(over, point)]['own_us']:+.0f}"
             row.append(f"{num(cell['own_us'])} us ({num(cell['own_share'] * 100, 2)}%{added})")
         lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def kinds_table(columns: list, cells: dict, points: tuple) -> str:
+    """Where each cell's own time goes: us per step by kind of entry point (`report.owntime.KINDS`:
+    the step check, the allocator hooks, the pool writes, ...), the kinds that took any."""
+    lines = ["| batch | context | column | own us per step by entry point |", "|---|---|---|---|"]
+    for point in points:
+        for name, label, _, _ in columns:
+            kinds = cells[(name, point)]["own_kinds"]
+            lines.append(f"| {point[0]} | {point[1]} | {label} | "
+                         + ", ".join(f"{kind} {us:.0f}" for kind, us in kinds.items()) + " |")
     return "\n".join(lines)
 
 

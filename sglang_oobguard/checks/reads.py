@@ -8,8 +8,10 @@ reads), `readmap.check_reads` checks every slot read against the liveness shadow
 its history, and the report names the reader, the position, the new holder and the
 slot's history.
 
-The host path serves CPU tensors, one launch of `readkernel` the others (after the
-step kernel, on the same stream: no host sync). The draft model runner of speculative decoding
+The host path serves CPU tensors, counted (`readcount`: only the positions new to a
+request, the entries that changed and the pages that changed hands while read; the full
+scan, counted as `scans`, only where that cannot tell), one launch of `readkernel` the
+others (after the step kernel, on the same stream: no host sync; O(context)). The draft model runner of speculative decoding
 shares the target's req_to_token and is not checked twice; a forward with
 out_cache_loc_virtual (req_to_token in another id space), a batch without request
 ids (a row's new holder cannot be told apart) and a graph capture are skipped, each
@@ -185,7 +187,7 @@ def _report(guard: Guard, state: Any, finding: readmap.ReadFinding, high: int) -
 def doctor(found: Found) -> list[str]:
     gib = {rows: f"{readmap.Seen.bytes_for(rows, 131072) / 2**30:.1f} GiB" for rows in (4096, 2048)}
     return ["the read check, with liveness: every slot each request reads (req_to_token[row, 0:seq_len]) live and of "
-            "the generation it first read (host path on CPU tensors, one launch on a GPU); where the write map runs ("
+            "the generation it first read (host path on CPU tensors, counted; one launch on a GPU); where the write map runs ("
             + (write_map_off() or "on here") + ")" + "".join(f"; not for {name} ({why}: skipped with the write map)"
                                                              for name, why in write_map_unmeasured()),
             f"the read check's memory, with liveness: {MEMORY} as sglang sizes its pools (sglang's budget does not "
@@ -194,6 +196,7 @@ def doctor(found: Found) -> list[str]:
 
 UNIT = Unit("reads", "a running request reads a slot given back or handed to another",
             "per step on the host: O(positions new or changed, pages that changed hands), a full scan only "
-            "where that cannot tell; on a GPU: O(context of the batch)", ("steps", "scans"), "the forward step's end; sglang's ReqToTokenPool (its memory)",
+            "where that cannot tell; on a GPU: O(context of the batch)", ("steps", "scans"),
+            "the forward step's end; sglang's ReqToTokenPool (its memory)",
             where=write_map_off, doctor=doctor, memory=lambda pages, rows, context: readmap.Seen.bytes_for(rows, context)
             if rows else 0)
