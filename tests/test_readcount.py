@@ -41,7 +41,7 @@ class World:
         holders = [self.rid[r] for r in rows]
         at = lens - 1 if written else None
         mine, full = readcount.check(self.counted, self.live, self.table, rows_np, lens, holders, extend,
-                                     self.live.high, at)
+                                     self.live.high, lambda: at)
         self.scans += full
         readmap.forget_changed_holders(self.full, rows, holders)
         theirs = readmap.check_reads(self.full, self.table, rows_np, lens, extend, self.live, self.live.high, at)

@@ -82,7 +82,7 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
     rows_np = rows[:size].numpy().astype(np.int64)
     lens_np = lens[:size].numpy().astype(np.int64)
     finding, full = readcount.check(seen, state.live, table.numpy(), rows_np, lens_np, rids, extend, high,
-                                    _written(batch, mode, lens_np))
+                                    lambda: _written(batch, mode, lens_np))
     if full:
         guard.counts.add("reads", "scans")
     if finding is not None:

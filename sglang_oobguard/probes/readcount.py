@@ -28,12 +28,12 @@ Host memory: 4 bytes per page of the pool and 1 per row, made at the first step.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
 
-from . import readmap
+from . import readmap, shadow
 from .hostscan import look_up
 from .readmap import ReadFinding, Seen
 from .shadow import FEW, Live
@@ -52,6 +52,7 @@ class Readers:
         self.again = False  # the last step found a bad read: the full check runs (it reports each step)
         self._view = memoryview(self.count)
         self.views = (seen.slot.numpy(), seen.gen.numpy(), seen.checked.numpy())  # the host path's views of `seen`
+        self.cells = tuple(memoryview(view.reshape(-1)) for view in self.views)  # the same memory, for `_few`
 
     def touched(self, pages: Union[list, np.ndarray, torch.Tensor]) -> None:
         """Pages that changed hands (`shadow.mark`, `shadow.release`): those read are suspects."""
@@ -72,9 +73,10 @@ class Readers:
 
 
 def check(seen: Seen, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray, holders: list,
-          extend: bool, high: int, written: Optional[np.ndarray] = None) -> tuple[Optional[ReadFinding], bool]:
+          extend: bool, high: int, written: Callable[[], Optional[np.ndarray]] = lambda: None
+          ) -> tuple[Optional[ReadFinding], bool]:
     """`readmap.check_reads` of one step, with its rows' holders (`readmap.forget_changed_holders`);
-    also whether the full check ran."""
+    also whether the full check ran. `written`: the full check's `written`, asked only if it runs."""
     readers = _readers(seen, live)
     for row, holder in zip(rows.tolist(), holders):
         if seen.holder[row] != holder:
@@ -86,7 +88,7 @@ def check(seen: Seen, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.
     if _clean(readers, live, table, rows, lens, extend, high):
         return None, False
     mark = readers.touches
-    finding = readmap.check_reads(seen, table, rows, lens, extend, live, high, written)
+    finding = readmap.check_reads(seen, table, rows, lens, extend, live, high, written())
     _recount(readers, live, rows, mark)
     readers.again = finding is not None
     return finding, True
@@ -114,6 +116,8 @@ def _clean(readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, le
         return False
     old = np.minimum(before, lens)
     was_rows, was_pos = _changed(table, slot, listed, old.tolist())
+    if not was_rows.size and int((lens - old).sum()) <= FEW and (before <= lens).all():
+        return _few(readers, live, table, listed, old.tolist(), lens.tolist(), high)
     now_rows, now_pos = _spans(rows, old, lens)
     if was_rows.size:
         now_rows, now_pos = np.concatenate([was_rows, now_rows]), np.concatenate([was_pos, now_pos])
@@ -138,6 +142,37 @@ def _clean(readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, le
     slot[now_rows, now_pos] = now
     gen[now_rows, now_pos] = looked.generation.astype(np.int32)  # modulo 2^32, as Seen keeps it
     checked[rows] = lens
+    readers.counted[rows] = True
+    return True
+
+
+def _few(readers: Readers, live: Live, table: np.ndarray, rows: list[int], old: list[int], lens: list[int],
+         high: int) -> bool:
+    """`_clean` where the step only reads a few positions anew and nothing else changed (a
+    decode step), in plain Python over the tables' memory: the same answer, without the
+    fixed cost of a few dozen numpy calls (the step's code runs cold, after the model's ops)."""
+    page, ncols, pages, top = live.page, table.shape[1], live.pages, live.high
+    flags, gens, count = live.host, shadow.host_generations(live), readers._view
+    cells = memoryview(table.reshape(-1))
+    new = []
+    for row, start, end in zip(rows, old, lens):
+        base = row * ncols
+        for at in range(base + start, base + end):
+            value = cells[at]
+            held = page <= value < high  # `inside`, as the full check's look_up
+            if held and (value // page >= pages or not flags[value // page]):
+                return False  # a freed slot read (or one past the shadow: the full check says what)
+            mark = gens[value // page if held else 0] if gens is not None else 0
+            new.append((at, value, (mark + 2 ** 31) % 2 ** 32 - 2 ** 31))  # modulo 2^32, as Seen keeps it
+            if page <= value < top:
+                count[value // page] += 1
+    if readers.suspects and _still_read(readers):
+        return False  # a suspect still read: a position new now reads it too (the full check decides)
+    slots, marks, checked = readers.cells
+    for at, value, mark in new:
+        slots[at], marks[at] = value, mark
+    for row, end in zip(rows, lens):
+        checked[row] = end
     readers.counted[rows] = True
     return True
 

@@ -169,6 +169,11 @@ def release(live: Live, ids: torch.Tensor, event: int = NONE, host: bool = False
         _fill(live, _HISTORY + FREED, pages, event)
 
 
+def host_generations(live: Live) -> Optional[memoryview]:
+    """A CPU shadow's generation per page (int64), for a host check's plain-Python path; None: no history."""
+    return live.memory[_HISTORY + GEN] if live.memory else None
+
+
 def story(live: Live, page: int) -> Optional[tuple[int, int, int, int]]:
     """(generation, last allocation, last free, owner row + 1) of one page (a report's
     read: may sync); None outside the shadow."""
