@@ -40,7 +40,7 @@ class World:
         lens = np.array([self.lens[r] for r in rows], dtype=np.int64)
         holders = [self.rid[r] for r in rows]
         at = lens - 1 if written else None
-        mine, full = readcount.check(self.counted, self.live, self.table, rows_np, lens, holders, extend,
+        mine, full = readcount.check(self.counted, self.live, self.table, rows, lens.tolist(), holders, extend,
                                      self.live.high, lambda: at)
         self.scans += full
         readmap.forget_changed_holders(self.full, rows, holders)
@@ -150,6 +150,6 @@ def test_a_page_that_changes_hands_under_its_reader_is_found(change):
     else:
         world.table[0, 1] = 4
         kind = readmap.Kind.REPOINTED
-    finding, full = readcount.check(world.counted, world.live, world.table, np.array([0]), np.array([3]), ["r0"],
-                                    False, world.live.high)
+    finding, full = readcount.check(world.counted, world.live, world.table, [0], [3], ["r0"], False,
+                                    world.live.high)
     assert full and finding is not None and finding.kind == kind and finding.position == (0 if change == "clear" else 1)

@@ -79,10 +79,9 @@ def check_reads(guard: Guard, runner: Any, batch: Any, pool: Any, high: int) -> 
         readmap.forget_changed_holders(seen, _host_rows(batch, size), rids)
         _launch(guard, state, seen, table, batch, size, mode, high)
         return
-    rows_np = rows[:size].numpy().astype(np.int64)
-    lens_np = lens[:size].numpy().astype(np.int64)
-    finding, full = readcount.check(seen, state.live, table.numpy(), rows_np, lens_np, rids, extend, high,
-                                    lambda: _written(batch, mode, lens_np))
+    lens_l = lens[:size].tolist()
+    finding, full = readcount.check(seen, state.live, table.numpy(), rows[:size].tolist(), lens_l, rids, extend,
+                                    high, lambda: _written(batch, mode, np.array(lens_l, dtype=np.int64)))
     if full:
         guard.counts.add("reads", "scans")
     if finding is not None:

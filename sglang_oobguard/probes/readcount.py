@@ -52,7 +52,9 @@ class Readers:
         self.again = False  # the last step found a bad read: the full check runs (it reports each step)
         self._view = memoryview(self.count)
         self.views = (seen.slot.numpy(), seen.gen.numpy(), seen.checked.numpy())  # the host path's views of `seen`
-        self.cells = tuple(memoryview(view.reshape(-1)) for view in self.views)  # the same memory, for `_few`
+        self.cells = tuple(memoryview(view.reshape(-1)) for view in self.views)  # the same memory, for host ints
+        self.slot_bytes = self.cells[0].cast("B")
+        self.flags_of_rows = memoryview(self.counted)  # `counted`, indexed from host ints
 
     def touched(self, pages: Union[list, np.ndarray, torch.Tensor]) -> None:
         """Pages that changed hands (`shadow.mark`, `shadow.release`): those read are suspects."""
@@ -72,24 +74,26 @@ class Readers:
         self.stale = True
 
 
-def check(seen: Seen, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray, holders: list,
+def check(seen: Seen, live: Live, table: np.ndarray, rows: list[int], lens: list[int], holders: list,
           extend: bool, high: int, written: Callable[[], Optional[np.ndarray]] = lambda: None
           ) -> tuple[Optional[ReadFinding], bool]:
-    """`readmap.check_reads` of one step, with its rows' holders (`readmap.forget_changed_holders`);
-    also whether the full check ran. `written`: the full check's `written`, asked only if it runs."""
+    """`readmap.check_reads` of one step (rows: req_pool_indices, lens: seq_lens, host ints of the
+    batch's requests), with its rows' holders (`readmap.forget_changed_holders`); also whether the
+    full check ran. `written`: the full check's `written`, asked only if it runs."""
     readers = _readers(seen, live)
-    for row, holder in zip(rows.tolist(), holders):
+    for row, holder in zip(rows, holders):
         if seen.holder[row] != holder:
             _uncount(readers, live, np.array([row]))
-    readmap.forget_changed_holders(seen, rows.tolist(), holders)
-    lens = np.minimum(lens, table.shape[1])
-    if not lens.any():
+    readmap.forget_changed_holders(seen, rows, holders)
+    ncols = table.shape[1]
+    lens = [min(n, ncols) for n in lens]
+    if not any(lens):
         return None, False  # nothing read (the full check leaves `seen` as it is too)
     if _clean(readers, live, table, rows, lens, extend, high):
         return None, False
-    mark = readers.touches
-    finding = readmap.check_reads(seen, table, rows, lens, extend, live, high, written())
-    _recount(readers, live, rows, mark)
+    mark, rows_np = readers.touches, np.array(rows, dtype=np.int64)
+    finding = readmap.check_reads(seen, table, rows_np, np.array(lens, dtype=np.int64), extend, live, high, written())
+    _recount(readers, live, rows_np, mark)
     readers.again = finding is not None
     return finding, True
 
@@ -103,21 +107,39 @@ def _readers(seen: Seen, live: Live) -> Readers:
     return readers
 
 
-def _clean(readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray,
-           extend: bool, high: int) -> bool:
+def _clean(readers: Readers, live: Live, table: np.ndarray, rows: list[int], lens: list[int], extend: bool,
+           high: int) -> bool:
     """The step's reads from what changed. True: clean, and applied as the full check
-    applies them; False: the full check decides (`seen` untouched; the counts are made again)."""
-    listed = rows.tolist()
-    if readers.stale or readers.again or len(set(listed)) != len(listed):
+    applies them; False: the full check decides (`seen` untouched; the counts are made again).
+    Host ints until a row differs or many positions are new (the step's code runs cold, after
+    the model's ops: each numpy call costs microseconds there)."""
+    if readers.stale or readers.again or len(set(rows)) != len(rows):
         return False
+    checked, counted = readers.cells[2], readers.flags_of_rows
+    before = [checked[row] for row in rows]
+    if any(was and not counted[row] for row, was in zip(rows, before)):
+        return False
+    old = [min(was, n) for was, n in zip(before, lens)]
+    differ = [i for i, (row, n) in enumerate(zip(rows, old)) if n and _differs(readers, table, row, n)]
+    if not differ and sum(lens) - sum(old) <= FEW and all(was <= n for was, n in zip(before, lens)):
+        return _few(readers, live, table, rows, old, lens, high)
+    return _spread(readers, live, table, np.array(rows, dtype=np.int64), np.array(lens, dtype=np.int64),
+                   np.array(before, dtype=np.int64), np.array(old, dtype=np.int64), differ, extend, high)
+
+
+def _differs(readers: Readers, table: np.ndarray, row: int, n: int) -> bool:
+    """Whether req_to_token[row, :n] is not what the row read there (`Seen.slot`): bytes compared."""
+    if table.dtype != np.int32:  # (sglang's is int32, as Seen.slot)
+        return not np.array_equal(table[row, :n], readers.views[0][row, :n])
+    at = row * table.shape[1] * 4
+    return memoryview(table.reshape(-1)).cast("B")[at:at + 4 * n].tobytes() != readers.slot_bytes[at:at + 4 * n].tobytes()
+
+
+def _spread(readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray, before: np.ndarray,
+            old: np.ndarray, differ: list[int], extend: bool, high: int) -> bool:
+    """`_clean` in numpy: rows whose entries changed (`differ`: their indexes), or many positions new."""
     slot, gen, checked = readers.views
-    before = checked[rows]
-    if not readers.counted[rows[before > 0]].all():
-        return False
-    old = np.minimum(before, lens)
-    was_rows, was_pos = _changed(table, slot, listed, old.tolist())
-    if not was_rows.size and int((lens - old).sum()) <= FEW and (before <= lens).all():
-        return _few(readers, live, table, listed, old.tolist(), lens.tolist(), high)
+    was_rows, was_pos = _changed(table, slot, rows[differ].tolist(), old[differ].tolist())
     now_rows, now_pos = _spans(rows, old, lens)
     if was_rows.size:
         now_rows, now_pos = np.concatenate([was_rows, now_rows]), np.concatenate([was_pos, now_pos])
@@ -171,9 +193,9 @@ def _few(readers: Readers, live: Live, table: np.ndarray, rows: list[int], old: 
     slots, marks, checked = readers.cells
     for at, value, mark in new:
         slots[at], marks[at] = value, mark
+    counted = readers.flags_of_rows
     for row, end in zip(rows, lens):
-        checked[row] = end
-    readers.counted[rows] = True
+        checked[row], counted[row] = end, True
     return True
 
 
