@@ -153,8 +153,8 @@ def read_cost():
             holders = [f"r{row}" for row in rows]
             paths = {
                 "full": lambda seen, lens: readmap.check_reads(seen, tab, rows, lens, False, live, slots + 1),
-                "counted": lambda seen, lens: readcount.check(seen, live, tab, rows, lens, holders, False,
-                                                              slots + 1)[0]}
+                "counted": lambda seen, lens: readcount.check(seen, live, tab, rows.tolist(), lens.tolist(), holders,
+                                                              False, slots + 1)[0]}
             us = {}
             for name, check in paths.items():  # a steady decode: each step reads one position more per request
                 seen = readmap.Seen(*table.shape)

@@ -126,8 +126,9 @@ def test_history_and_read_check_benchmark_prints_every_row():
     assert re.search(r"^\| call site: its own cost .* \| -?[\d.]+ \(target < 2 us: (PASS|MISS)\) \|$", out, re.M), out
     assert re.search(r"^\| \.\.\. guarded, liveness on \(shadow, free check, history\) \| [\d.]+ \([\d.]+x\) \|$",
                      out, re.M), out
-    for batch, context in ((1, 512), (8, 8192), (64, 2048)):
-        assert re.search(rf"^\| {batch} \| {context} \| {batch * context} \| \d+ \| [\d.]+ \|$", out, re.M), out
+    for batch, context in ((1, 512), (8, 8192), (64, 2048)):  # the full check beside the counted path
+        assert re.search(rf"^\| {batch} \| {context} \| {batch * context} \| \d+ \| [\d.]+ \| \d+ \| [\d.]+x \|$",
+                         out, re.M), out
 
 
 def test_step_cost_benchmark_prints_the_guard_beside_its_floor():
