@@ -50,7 +50,7 @@ class Readers:
         self.touches = 0
         self.stale = True  # the counts do not hold (new; the shadow cleared or restored): the full check runs
         self.again = False  # the last step found a bad read: the full check runs (it reports each step)
-        self._view = memoryview(self.count)
+        self.count_cells = memoryview(self.count)  # the same memory, indexed from host ints
         self.views = (seen.slot.numpy(), seen.gen.numpy(), seen.checked.numpy())  # the host path's views of `seen`
         self.cells = tuple(memoryview(view.reshape(-1)) for view in self.views)  # the same memory, for host ints
         self.slot_bytes = self.cells[0].cast("B")
@@ -60,7 +60,7 @@ class Readers:
         """Pages that changed hands (`shadow.mark`, `shadow.release`): those read are suspects."""
         self.touches += 1
         if isinstance(pages, list):
-            view = self._view
+            view = self.count_cells
             for page in pages:
                 if view[page]:
                     self.suspects[page] = self.touches
@@ -174,7 +174,7 @@ def _few(readers: Readers, live: Live, table: np.ndarray, rows: list[int], old: 
     decode step), in plain Python over the tables' memory: the same answer, without the
     fixed cost of a few dozen numpy calls (the step's code runs cold, after the model's ops)."""
     page, ncols, pages, top = live.page, table.shape[1], live.pages, live.high
-    flags, gens, count = live.host, shadow.host_generations(live), readers._view
+    flags, gens, count = live.host, shadow.host_generations(live), readers.count_cells
     cells = memoryview(table.reshape(-1))
     new = []
     for row, start, end in zip(rows, old, lens):
@@ -207,19 +207,13 @@ def _still_read(readers: Readers) -> bool:
 
 
 def _changed(table: np.ndarray, slot: np.ndarray, rows: list[int], old: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The (row, position) entries below `old` whose slot is not the one read there: a
-    bytes compare per row, positions only for a row that differs."""
-    found_rows, found_pos = [], []
-    same = table.dtype == slot.dtype  # sglang's req_to_token is int32, as Seen.slot
-    for row, n in zip(rows, old):
-        if n and (table[row, :n].tobytes() != slot[row, :n].tobytes() if same else
-                  not np.array_equal(table[row, :n], slot[row, :n])):
-            pos = np.flatnonzero(table[row, :n] != slot[row, :n])
-            found_rows.append(np.full(pos.size, row))
-            found_pos.append(pos)
-    if not found_rows:
+    """The (row, position) entries below `old` of these rows (each found to differ by
+    `_differs`) whose slot is not the one read there."""
+    found = [(row, np.flatnonzero(table[row, :n] != slot[row, :n])) for row, n in zip(rows, old)]
+    if not found:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(found_rows), np.concatenate(found_pos)
+    return (np.concatenate([np.full(pos.size, row, dtype=np.int64) for row, pos in found]),
+            np.concatenate([pos for _, pos in found]))
 
 
 def _spans(rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -235,7 +229,7 @@ def _spans(rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.nda
 def _count(readers: Readers, live: Live, slots: np.ndarray, by: int) -> None:
     """Adds `by` to the count of each slot's page (slots past the padding page and inside the shadow)."""
     if slots.size <= FEW:
-        view, page, high = readers._view, live.page, live.high
+        view, page, high = readers.count_cells, live.page, live.high
         for value in slots.tolist():
             if page <= value < high:
                 view[value // page] += by
