@@ -97,6 +97,8 @@ class Guard(Said, Marks):
         stay alive, since a captured graph may still replay their probes."""
         device.retain(([state.for_graphs() for state in self.states], self.steps))
         self.unmark()
+        self.found.clear()  # the guarded methods name the user's pool classes: a guard kept alive (a
+        # report's traceback, a thread) must not keep them (tests/test_discovery.py's held_by_the_guard)
 
     def message(self, site: int) -> str:
         text = self._messages.get(site)
