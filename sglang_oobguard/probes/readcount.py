@@ -120,19 +120,21 @@ def _clean(readers: Readers, live: Live, table: np.ndarray, rows: list[int], len
     if any(was and not counted[row] for row, was in zip(rows, before)):
         return False
     old = [min(was, n) for was, n in zip(before, lens)]
-    differ = [i for i, (row, n) in enumerate(zip(rows, old)) if n and _differs(readers, table, row, n)]
+    cells = memoryview(table.reshape(-1)).cast("B") if table.dtype == np.int32 else None
+    differ = [i for i, (row, n) in enumerate(zip(rows, old)) if n and _differs(readers, table, cells, row, n)]
     if not differ and sum(lens) - sum(old) <= FEW and all(was <= n for was, n in zip(before, lens)):
         return _few(readers, live, table, rows, old, lens, high)
     return _spread(readers, live, table, np.array(rows, dtype=np.int64), np.array(lens, dtype=np.int64),
                    np.array(before, dtype=np.int64), np.array(old, dtype=np.int64), differ, extend, high)
 
 
-def _differs(readers: Readers, table: np.ndarray, row: int, n: int) -> bool:
-    """Whether req_to_token[row, :n] is not what the row read there (`Seen.slot`): bytes compared."""
-    if table.dtype != np.int32:  # (sglang's is int32, as Seen.slot)
+def _differs(readers: Readers, table: np.ndarray, cells: Optional[memoryview], row: int, n: int) -> bool:
+    """Whether req_to_token[row, :n] is not what the row read there (`Seen.slot`): compared as
+    bytes (`cells`: the table's bytes, where it is int32 as Seen.slot and sglang's are)."""
+    if cells is None:
         return not np.array_equal(table[row, :n], readers.views[0][row, :n])
     at = row * table.shape[1] * 4
-    return memoryview(table.reshape(-1)).cast("B")[at:at + 4 * n].tobytes() != readers.slot_bytes[at:at + 4 * n].tobytes()
+    return cells[at:at + 4 * n].tobytes() != readers.slot_bytes[at:at + 4 * n].tobytes()
 
 
 def _spread(readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, lens: np.ndarray, before: np.ndarray,
@@ -158,7 +160,9 @@ def _spread(readers: Readers, live: Live, table: np.ndarray, rows: np.ndarray, l
     _count(readers, live, gone, -1)
     _count(readers, live, now, 1)
     if readers.suspects and _still_read(readers):
-        _uncount(readers, live, np.flatnonzero(readers.counted & ~np.isin(np.arange(readers.counted.size), rows)))
+        others = readers.counted.copy()
+        others[rows] = False
+        _uncount(readers, live, np.flatnonzero(others))
         if _still_read(readers):
             return False
     slot[now_rows, now_pos] = now
@@ -173,8 +177,8 @@ def _few(readers: Readers, live: Live, table: np.ndarray, rows: list[int], old: 
     """`_clean` where the step only reads a few positions anew and nothing else changed (a
     decode step), in plain Python over the tables' memory: the same answer, without the
     fixed cost of a few dozen numpy calls (the step's code runs cold, after the model's ops)."""
-    page, ncols, pages, top = live.page, table.shape[1], live.pages, live.high
-    flags, gens, count = live.host, shadow.host_generations(live), readers.count_cells
+    page, ncols, pages = live.page, table.shape[1], live.pages
+    flags, gens = live.host, shadow.host_generations(live)
     cells = memoryview(table.reshape(-1))
     new = []
     for row, start, end in zip(rows, old, lens):
@@ -186,8 +190,7 @@ def _few(readers: Readers, live: Live, table: np.ndarray, rows: list[int], old: 
                 return False  # a freed slot read (or one past the shadow: the full check says what)
             mark = gens[value // page if held else 0] if gens is not None else 0
             new.append((at, value, (mark + 2 ** 31) % 2 ** 32 - 2 ** 31))  # modulo 2^32, as Seen keeps it
-            if page <= value < top:
-                count[value // page] += 1
+    _count(readers, live, [value for _, value, _ in new], 1)
     if readers.suspects and _still_read(readers):
         return False  # a suspect still read: a position new now reads it too (the full check decides)
     slots, marks, checked = readers.cells
@@ -226,11 +229,12 @@ def _spans(rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.nda
     return np.repeat(rows, size), np.repeat(start, size) + np.arange(total) - offset
 
 
-def _count(readers: Readers, live: Live, slots: np.ndarray, by: int) -> None:
-    """Adds `by` to the count of each slot's page (slots past the padding page and inside the shadow)."""
-    if slots.size <= FEW:
+def _count(readers: Readers, live: Live, slots: Union[list, np.ndarray], by: int) -> None:
+    """Adds `by` to the count of each slot's page (slots past the padding page and inside the shadow):
+    host ints or a few slots one by one, more through numpy."""
+    if isinstance(slots, list) or slots.size <= FEW:
         view, page, high = readers.count_cells, live.page, live.high
-        for value in slots.tolist():
+        for value in slots if isinstance(slots, list) else slots.tolist():
             if page <= value < high:
                 view[value // page] += by
         return
