@@ -18,6 +18,8 @@
 #     bash ci/sweep.sh 0.5.24          # a new release: one command
 #     OOBGUARD_SWEEP_ROWS_ONLY=1 bash ci/sweep.sh 0.5.20   # rewrite a row from the logs of a run
 #     OOBGUARD_SWEEP_QUICK=1 bash ci/sweep.sh 0.5.1.post1   # the import and doctor only (minutes less a release)
+#     OOBGUARD_SWEEP_ENGINE=1 bash ci/sweep.sh 0.5.20       # the engine without the tests (about 4 minutes,
+#         not 15): the row keeps its tests' cells, and its swept cell gives both dates
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -59,9 +61,14 @@ row() {  # VERSION: test it in its venv and write its row
     echo "quick sweep: the import and doctor only" > "$logs/$version.tests.log"
     tests_rc=quick
   else
-    PYTHONPATH="$standins" nice -n 19 "$venv/bin/python" -m pytest -m "not e2e and not bench" -q -rfE \
-      -p no:cacheprovider > "$logs/$version.tests.log" 2>&1
-    tests_rc=$?
+    if [[ -n "${OOBGUARD_SWEEP_ENGINE:-}" ]]; then
+      echo "engine sweep: the tests' cells are kept from the row" > "$logs/$version.tests.log"
+      tests_rc=kept
+    else
+      PYTHONPATH="$standins" nice -n 19 "$venv/bin/python" -m pytest -m "not e2e and not bench" -q -rfE \
+        -p no:cacheprovider > "$logs/$version.tests.log" 2>&1
+      tests_rc=$?
+    fi
     PYTHONPATH="$standins" nice -n 19 "$venv/bin/python" -m pytest -m e2e tests/test_e2e_releases.py -q -rA -s \
       -p no:cacheprovider > "$logs/$version.engine.log" 2>&1
   fi
@@ -173,6 +180,10 @@ path = Path(doc)
 text = path.read_text() if path.exists() else HEADER
 body = text.partition("|---|")[2].split("\n", 1)[1]
 rows = {l.split("|")[1].strip(): l for l in body.splitlines() if l.startswith("| ")}
+if rcs[3:] == ["kept"] and version in rows:  # an engine sweep: the tests' cells and their date from the row
+    old, new = rows[version].split(" | "), row.split(" | ")
+    tested = old[-1].rstrip(" |").split("tests ")[-1].split(",")[0]
+    row = " | ".join(new[:5] + old[5:7] + new[7:8]) + f" | tests {tested}, engine {today} |"
 for v, old in rows.items():  # a row of the table before the engine column: its cell says so
     if old.count(" | ") == 7:
         rows[v] = old.rsplit(" | ", 1)[0] + f" | {BEFORE_ENGINE} | " + old.rsplit(" | ", 1)[1]
