@@ -160,6 +160,23 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
     value_at = () if lens_at is not None else values.value_params(found.original, max(spec[1] for spec in specs) + 1)
     threads = guard.threads
     single = len(specs) == 1  # a write (a move has two id parameters: not a step's token write)
+    head_site = specs[0][4]
+
+    def values_before(instance: Any, args: tuple, kwargs: dict, loc: torch.Tensor) -> Optional[values.Pending]:
+        """The value check of a write the fast path answered (its ids were checked): strict
+        reports before the write; the rest is published after it. The guard's own failure
+        leaves the write unchecked, as in `wrapper`."""
+        try:
+            pending = values.check_values(guard, instance, head_site, loc, head_high(instance),
+                                          lambda: _layer_id(instance, args, kwargs, found),
+                                          values.parts(value_at, args, kwargs))
+            values.before_write(guard, pending)
+            return pending
+        except KVOutOfBoundsError:
+            raise
+        except Exception as exc:
+            guard.internal_error(found.qualname, exc)
+            return None
 
     def lean_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         """The common write (one tensor of token slots) answered in the fewest steps: the
@@ -173,25 +190,30 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
             fast = hot[2]
         else:
             outer = calls.current  # a super() call passing these ids on: the full wrapper's to skip
-            if type(ids) is not torch.Tensor or guard.config.finite or (outer is not None and outer[2] is head):
-                return wrapper(wrapped, instance, args, kwargs)  # the fast path checks ids only, not values
+            if type(ids) is not torch.Tensor or (outer is not None and outer[2] is head):
+                return wrapper(wrapped, instance, args, kwargs)
             try:
                 fast = _on_host_fast(guard, calls, instance, ids, head_high)
             except Exception:  # the full check says what went wrong
                 fast = None
             if fast is None:
                 return wrapper(wrapped, instance, args, kwargs)
+        pending = values_before(instance, args, kwargs, ids) if guard.config.finite and value_at else None
         if fast is not ids:  # the step check's cleaned copy
             head = fast if head is ids else dataclasses.replace(head, loc=fast)
             args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, head)
         if not guard.config.upstream_probe:  # nothing inside to skip (a nested super() call: served again)
-            return wrapped(*args, **kwargs)
-        outer = calls.current
-        calls.current = (instance, method, head)
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            calls.current = outer
+            result = wrapped(*args, **kwargs)
+        else:
+            outer = calls.current
+            calls.current = (instance, method, head)
+            try:
+                result = wrapped(*args, **kwargs)
+            finally:
+                calls.current = outer
+        if pending:  # raise and warn: the values went in unchanged, now the report
+            values.publish(guard, pending)
+        return result
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         calls = threads.calls
@@ -219,14 +241,11 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
                     if position == head_at:
                         head = passed
                 if position == head_at and guard.config.finite and value_at:
-                    stored = values.parts(value_at, args, kwargs)
-                    pending = values.check_values(guard, instance, site, loc, high(instance),
-                                                  lambda: _layer_id(instance, args, kwargs, found), stored)
+                    pending = values_before(instance, args, kwargs, loc)
             if door_site is not None and "swa" in guard.config.checks:
                 args, kwargs = swa.check_door(guard, instance, door_site, args, kwargs, head_at, head_name,
                                               _layer_id(instance, args, kwargs, found))
                 head = argument(args, kwargs, head_at, head_name)
-            values.before_write(guard, pending)
         except KVOutOfBoundsError:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked
