@@ -36,7 +36,9 @@ IMPORTS = ["numpy", "tqdm", "requests", "aiohttp", "IPython", "pybase64", "psuti
            "fastapi", "uvicorn"]
 # The CPU engine's own imports beyond those (the sweep's and ci/reach-back.sh's engine runs:
 # tests/test_e2e_releases.py, the clean matrix), as the matrix's releases list them.
-ENGINE = ["uvloop", "setproctitle", "zstandard", "xxhash", "prometheus-client", "python-multipart", "interegular"]
+# torchao: the model runner of 0.4.10-0.5.8 applies its config at every start (layers/torchao_utils.py).
+ENGINE = ["uvloop", "setproctitle", "zstandard", "xxhash", "prometheus-client", "python-multipart", "interegular",
+          "torchao"]
 # Taken only where the release itself names it (0.5.x's sgl_kernel stand-in path wants it).
 IF_NAMED = ["apache-tvm-ffi"]
 RUNTIME_EXTRAS = {"srt", "runtime_common", "runtime-common"}

@@ -3,6 +3,7 @@ subprocess with a chosen environment, bounded in time, and check it left no proc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -48,6 +49,19 @@ class Run:
         return {kind: sum(c[kind] for c in mine) for kind in ("writes", "moves", "frees", "probes", "steps")}
 
 
+@functools.lru_cache(maxsize=None)
+def old_torch_names() -> bool:
+    """Whether the engine needs tests/standins/releases-0.4 (the torch name its sitecustomize
+    gives back, and the stand-ins beside it): 0.4.x, and any later sglang whose source still
+    asks torch for `_C._cpu._is_amx_tile_supported` (0.5.1's custom_op does at import)."""
+    import importlib.util
+
+    if version("sglang").startswith("0.4."):
+        return True
+    srt = Path(importlib.util.find_spec("sglang").origin).parent / "srt"
+    return any("torch._C._cpu._is_amx_tile_supported" in path.read_text(errors="replace") for path in srt.rglob("*.py"))
+
+
 def engine_env(extra: dict[str, str], cpu: bool = True) -> dict[str, str]:
     """cpu=False (bench/engine.py on a GPU): neither the CPU engine nor the stand-ins.
     OOBGUARD_SITE_DIR in `extra`: the guard as a regular install arms it (tests/e2e/siteinstall)."""
@@ -55,8 +69,8 @@ def engine_env(extra: dict[str, str], cpu: bool = True) -> dict[str, str]:
     # no py-spy and no CUDA here: sglang's crash diagnostics would only wait 65 s before its exit
     env.update(SGLANG_PYSPY_DUMP_BEFORE_CRASH="0", SGLANG_CUDA_COREDUMP_BEFORE_CRASH="0")
     first = [str(SITEINSTALL)] if extra.get("OOBGUARD_SITE_DIR") else []
-    if cpu:  # 0.4.x's layers import vllm's ops too (tests/standins/releases-0.4)
-        first += [str(STANDIN)] + ([str(STANDIN / "releases-0.4")] if version("sglang").startswith("0.4.") else [])
+    if cpu:
+        first += [str(STANDIN)] + ([str(STANDIN / "releases-0.4")] if old_torch_names() else [])
         env.update(SGLANG_USE_CPU_ENGINE="1")
     if first:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*first, env.get("PYTHONPATH")]))
