@@ -53,23 +53,24 @@ def runner(mp, monkeypatch, request):
     """sglang's ModelRunner with the guard's step hook around its forward (tp rank 1); the
     model itself is replaced (test-only) by a loop that writes each of the test module's
     LAYERS layers' KV at the batch's out_cache_loc through the real pool, as the attention
-    backends do."""
+    backends do: ones, or `values(layer, ones)` -> (K, V) where given."""
     ModelRunner = model_runner_class()
 
     from helpers import as_write_loc
 
     layers_of_model = getattr(request.module, "LAYERS", 4)
 
-    def make(pool):
+    def make(pool, values=None):
         run = ModelRunner.__new__(ModelRunner)  # no model loaded: only what the hook reads
         run.token_to_kv_pool, run.tp_rank, run.pp_rank, run.dp_rank = pool, 1, 0, 0
         hooked = ModelRunner.__dict__["forward"]
         assert hasattr(hooked, "__wrapped__"), "the guard did not hook ModelRunner.forward"
 
         def layers(self, batch, *args, **kwargs):
-            k = torch.ones(batch.out_cache_loc.numel(), 2, 4)
+            ones = torch.ones(batch.out_cache_loc.numel(), 2, 4)
             for layer in range(layers_of_model):
-                self.token_to_kv_pool.set_kv_buffer(Layer(layer), as_write_loc(mp, batch.out_cache_loc), k, k)
+                k, v = (ones, ones) if values is None else values(layer, ones)
+                self.token_to_kv_pool.set_kv_buffer(Layer(layer), as_write_loc(mp, batch.out_cache_loc), k, v)
             return "output"
 
         monkeypatch.setattr(hooked, "__wrapped__", layers)

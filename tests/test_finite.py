@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from sglang_oobguard import KVOutOfBoundsError
 from sglang_oobguard.probes import kernels, valuekernel
 
 PATHS = ["auto", "triton"]  # the host scan; the kernel
+LAYERS = 4  # the `runner` fixture's model
 
 
 def write(pool, method: str, layer: int, loc: list[int], a, b, mp) -> None:
@@ -91,6 +93,61 @@ def test_strict_stops_before_the_write(mp, guard):
     with pytest.raises(KVOutOfBoundsError, match=r"cache_k of loc\[0\] \(slot 3\) head 0 is -inf"):
         write(pool, "set_kv_buffer", 0, [3, 4], k, k, mp)
     assert not pool.k_buffer[0][3:5].any()  # nothing written
+
+
+def nan_v_at(bad: list[int]):
+    """A model whose layers in `bad` (a list the test may change) write V with a NaN at the
+    second token (head 1)."""
+    def values(layer: int, ones: torch.Tensor):
+        v = ones.clone()
+        if layer in bad:
+            v[1, 1, 0] = float("nan")
+        return ones, v
+    return values
+
+
+@pytest.mark.parametrize("mode", ["strict", "raise", "warn"])
+def test_a_step_s_small_parts_are_checked_when_its_forward_returns(mp, guard, runner, mode, caplog):
+    """Inside a forward step a host write's small parts wait for the step's end (each
+    write's own check runs cold between the model's ops): the report names the layer, the
+    part, the token and its slot, as at the write; strict and raise raise as the forward
+    returns, before the scheduler reads its results; warn returns them."""
+    from test_step import decode_batch
+
+    guard(mode, finite=True)
+    pool = mha(mp)
+    bad: list[int] = []
+    run = runner(pool, nan_v_at(bad))
+    assert run.forward(decode_batch(torch.tensor([1, 2, 3]))) == "output"
+    bad.append(2)
+    if mode == "warn":
+        with caplog.at_level(logging.WARNING):
+            assert run.forward(decode_batch(torch.tensor([4, 5, 6]))) == "output"
+        said = caplog.text
+    else:
+        with pytest.raises(KVOutOfBoundsError) as raised:
+            run.forward(decode_batch(torch.tensor([4, 5, 6])))
+        said = str(raised.value)
+    assert re.search(r"layer 2\b.*cache_v of loc\[1\] \(slot 5\) head 1 is nan", said), said
+    assert pool.v_buffer[2][5].isnan().any()  # written, as the write was: the report came after it
+    bad.clear()
+    assert run.forward(decode_batch(torch.tensor([7, 8, 9]))) == "output"  # nothing left over
+    counts = sglang_oobguard.activate.instrument._active.guard.counts.snapshot(("finite",))
+    assert counts["finite"]["writes"] == 3 * LAYERS
+
+
+def test_a_step_s_large_parts_are_checked_at_the_write(mp, guard, runner, monkeypatch):
+    """A part larger than `values.SMALL` is checked at its write even inside a step (its own
+    data outweighs the call): strict stops before that layer writes."""
+    from sglang_oobguard.checks import values
+    from test_step import decode_batch
+
+    monkeypatch.setattr(values, "SMALL", 8)  # (3 tokens x 2 heads x 4: 24 values)
+    guard("strict", finite=True)
+    pool = mha(mp)
+    with pytest.raises(KVOutOfBoundsError, match=r"cache_v of loc\[1\] \(slot 5\) head 1 is nan"):
+        runner(pool, nan_v_at([2])).forward(decode_batch(torch.tensor([4, 5, 6])))
+    assert pool.v_buffer[1][5].eq(1).all() and not pool.v_buffer[2][5].any()  # layer 1 written, layer 2 not
 
 
 @pytest.mark.parametrize("backend", PATHS)

@@ -17,7 +17,7 @@ import torch
 class CallState:
     """One thread's calls in progress (each thread has its own: `PerThread`)."""
 
-    __slots__ = ("current", "freeing", "swa_peers", "depth", "memo", "hot", "capturing", "step_ids")
+    __slots__ = ("current", "freeing", "swa_peers", "depth", "memo", "hot", "capturing", "step_ids", "values")
 
     def __init__(self) -> None:
         # The guarded write in progress, innermost: (pool, method, ids object passed on).
@@ -41,6 +41,8 @@ class CallState:
         self.hot: Optional[tuple[Any, torch.Tensor, torch.Tensor]] = None
         self.capturing = False  # the memo belongs to a graph capture
         self.step_ids: Any = None  # the step's mapped ids (ownids.StepIds), for writes with ids of their own
+        # The value check's small host parts of this forward step's writes, checked at its end (values.Deferred)
+        self.values: list = []
 
 
     def new_memo(self) -> None:

@@ -40,7 +40,7 @@ from ..probes import device
 from ..probes.pools import STATE_ATTR
 from ..report.counts import slot
 from ..report.reporter import KVOutOfBoundsError
-from . import ownids, positions, reads, stepmap
+from . import ownids, positions, reads, stepmap, values
 from .calls import memo_key
 from .flush import file_counts_while_busy
 from .guard import Guard
@@ -58,6 +58,8 @@ def step_begin(guard: Guard, runner: Any, batch: Any, pool: Any) -> Optional[tor
     step check contained some), or None."""
     calls, steps = guard.calls, guard.steps
     calls.depth += 1  # first: step_end undoes it whatever fails below
+    if calls.depth == 1 and calls.values:  # left by a forward that raised: not this step's
+        calls.values = []
     steps.open += 1
     loc = getattr(batch, "out_cache_loc", None)
     is_tensor = isinstance(loc, torch.Tensor)
@@ -205,6 +207,13 @@ def make_forward_hook(guard: Guard, pool_attr: str) -> Any:
             step_end(guard)
         if "positions" in guard.config.checks:  # raise mode: a position report filed before the forward
             positions.after_forward(guard)
+        if guard.calls.values and not guard.calls.depth:  # the value check's parts left to the step's end
+            try:
+                values.after_step(guard)
+            except KVOutOfBoundsError:
+                raise
+            except Exception as exc:
+                guard.internal_error("ModelRunner.forward (value check)", exc)
         return result
 
     return wrapper
