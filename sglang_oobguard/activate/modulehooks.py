@@ -51,7 +51,7 @@ class ModuleHooks:
         for unit in UNITS:
             if unit.hook is not None and name in unit.modules:
                 self._hook(f"the {unit.name} check's hooks", module, (unit.name,),
-                           functools.partial(unit.hook, module, self.guard, self.patches.of_kind("transfer")))
+                           functools.partial(unit.hook, module, self.guard, self.patches.of_kind("units")))
         if name in ALLOCATOR_MODULES and self.guard.config.liveness:
             self._hook("liveness (the tracked allocators)", module, activation.ALLOCATORS, self.track_allocators)
         if name == STEP_HOOK.module:

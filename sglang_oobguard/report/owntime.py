@@ -20,8 +20,9 @@ from typing import Any, Callable, Optional
 
 from ..model.log import logger
 
-# The guard's entry points by kind: `step` counts the forward steps (its calls).
-KINDS = ("write", "step", "allocator", "writer", "transfer", "flush", "other")
+# The guard's entry points by kind: `step` counts the forward steps (its calls); `units` the check
+# units' own hooks (rows, leaks, positions, transfers, hicache: "transfer" in tables before 2026-12-08).
+KINDS = ("write", "step", "allocator", "writer", "units", "flush", "other")
 PREFIX, SUFFIX = "owntime-", ".bin"
 SLOTS = 3  # per kind: own ns, calls, inclusive ns
 _BYTES = 8 * SLOTS * len(KINDS)
