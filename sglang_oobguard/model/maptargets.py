@@ -33,14 +33,20 @@ SLIDING = "a sliding-window model's forwards (SWAKVPool)"
 # (docs/checks.md, 2026-12-07, issue #43, `ci/reach-back.sh`: page size 1/4/16/64, mixed chunks,
 # retraction, TP=2, seeded random workloads; from 0.5.16 the SWA rows and, where it runs on a
 # CPU, HiCache's), by exact version: what was not measured there, left to bounds and liveness.
-# Releases not listed were not run that way: the write map is off there.
+# A post release (x.post1) is listed as its base where its wheel differs from the base's only in
+# files no forward layout comes from (docs/checks.md names them, 2026-12-08) and the release
+# sweep's engine smoke run (every check on) is clean there. Releases not listed: the map is off.
 WRITE_MAP_MEASURED = {
     "0.5.10": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
+    "0.5.10.post1": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),  # as 0.5.10 (a flashinfer version string)
     "0.5.11": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
     "0.5.12": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
+    "0.5.12.post1": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),  # as 0.5.12 (DeepSeek-V4, SWA pool)
     "0.5.13": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
+    "0.5.13.post1": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),  # as 0.5.13 (speculative v2 workers)
     "0.5.14": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
     "0.5.15": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),
+    "0.5.15.post1": (SPECULATIVE, PD_DECODE, HICACHE, SLIDING),  # as 0.5.15 (DSA top-k metadata)
     "0.5.16": (SPECULATIVE, PD_DECODE, HICACHE),  # its HiCache row needs CUDA in create_tree_cache
     "0.5.17": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
     "0.5.18": (SPECULATIVE, PD_DECODE, HICACHE),  # likewise
