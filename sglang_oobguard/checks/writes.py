@@ -202,18 +202,9 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
         if fast is not ids:  # the step check's cleaned copy
             head = fast if head is ids else dataclasses.replace(head, loc=fast)
             args, kwargs = replaced(args, kwargs, head_at, head_name, len(args) > head_at, head)
-        if not guard.config.upstream_probe:  # nothing inside to skip (a nested super() call: served again)
-            result = wrapped(*args, **kwargs)
-        else:
-            outer = calls.current
-            calls.current = (instance, method, head)
-            try:
-                result = wrapped(*args, **kwargs)
-            finally:
-                calls.current = outer
-        if pending:  # raise and warn: the values went in unchanged, now the report
-            values.publish(guard, pending)
-        return result
+        if not guard.config.upstream_probe and not pending:  # nothing inside to skip (a nested super() call:
+            return wrapped(*args, **kwargs)  # served again), nothing to report after
+        return write(wrapped, instance, args, kwargs, head, pending)
 
     def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         calls = threads.calls
@@ -250,6 +241,14 @@ def make_wrapper(found: Found, guard: Guard) -> Callable[..., Any]:
             raise
         except Exception as exc:  # the guard's own failure: the write goes on unchecked
             guard.internal_error(found.qualname, exc)
+        return write(wrapped, instance, args, kwargs, head, pending)
+
+    def write(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict, head: Any,
+              pending: Optional[values.Pending]) -> Any:
+        """The write, as the call in progress (a nested super() call passing `head` on is not
+        checked again), then the value findings raise and warn report after it."""
+        calls = threads.calls
+        outer = calls.current
         calls.current = (instance, method, head)
         try:
             result = wrapped(*args, **kwargs)
