@@ -102,7 +102,8 @@ def publish(guard: Guard, pending: Pending) -> None:
 def after_step(guard: Guard) -> None:
     """The parts this step's writes left to its end (`check_values`), checked now that its
     forward returned: each write's findings published as at the write (strict and raise raise)."""
-    deferred, guard.calls.values = guard.calls.values, []
+    deferred: list[Deferred] = guard.calls.values
+    guard.calls.values = []
     for state, site, high, loc, layer, step, given in deferred:
         pending = [(state, finding.record(site, layer(), high, loc, name, step)) for name, values in given
                    for finding in (scan_values(values, loc.numel()),) if finding is not None]
