@@ -99,7 +99,9 @@ engine as `ci/test.sh` runs it on its older cells (`tests/test_e2e_releases.py`,
 installed as a user installs it): a double free reported, and a clean run with every check on
 that names the checks that counted work and those that did not run, with why (on the release
 whose cell runs the clean matrix, that matrix instead). A row is the test suite of the day in
-its *swept* column; rows swept before the engine column say so.
+its *swept* column; rows swept before the engine column say so; an engine sweep's row
+(`OOBGUARD_SWEEP_ENGINE=1`: the engine without the unit tests) gives both days, `tests DAY,
+engine DAY`.
 
 | release | memory_pool import | doctor rc | guarded methods | not guarded methods | tests passed / failed / skipped | first failure or upstream cause | engine (every check on) | swept |
 |---|---|---|---|---|---|---|---|---|
